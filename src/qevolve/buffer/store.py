@@ -1,0 +1,264 @@
+"""The trajectory store: a versioned Parquet format, one row per agent turn.
+
+A store is a Parquet file, or a folder of Parquet shards (``part-*.parquet``) read in name order,
+so long jobs can write shard by shard and resume. Episode-level fields are repeated on every row of
+the episode (Parquet's dictionary encoding makes that nearly free); rows of one episode are
+contiguous and ordered by ``turn_index``. Any tool that reads Parquet (pandas, polars, DuckDB)
+reads it as a flat table.
+
+Token-in-token-out: for turn t, ``context_ids`` are the tokens appended to the conversation before
+the agent's turn (for t = 0 the system prompt, instruction and first observation; later the
+observation message), and ``action_ids`` are the agent's own tokens. Concatenating
+``context_ids + action_ids`` over the turns gives the whole conversation once, with every action
+span known, so later stages never re-tokenise decoded text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = 1
+SCHEMA_KEY = b"qevolve.trajectory_schema_version"
+META_KEY = b"qevolve.metadata"
+
+
+class StoreError(ValueError):
+    """A trajectory file that cannot be read: wrong schema version, not a store, missing."""
+
+
+@dataclass
+class Turn:
+    """One agent turn: what it saw, what it wrote, what the environment answered, later labels."""
+
+    observation: str  # o_t: the observation the agent acted on
+    agent_text: str  # the raw text of the agent's turn (thought + action)
+    action: str | None  # the parsed action; None when the turn did not parse (format error)
+    format_valid: bool = True
+    action_valid: bool = True  # False when the environment rejected the action (e.g. "Nothing happens.")
+    reward: float = 0.0  # r_env received after this action
+    done: bool = False
+    context_ids: list[int] | None = None
+    action_ids: list[int] | None = None
+    action_logprobs: list[float] | None = None  # per action token, under the acting policy
+    r_aux: float | None = None  # retrospective penalty (critic labels)
+    value: float | None = None  # V(s_t)
+    q_value: float | None = None  # Q(s_t, a_t)
+    advantage: float | None = None  # process reward used by the policy update
+    generation_seconds: float | None = None
+    env_seconds: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One trajectory with its provenance."""
+
+    episode_id: str
+    task_id: str
+    env: str
+    split: str
+    source: str  # "expert", "synthetic" (scripted oracle), "self" (policy rollouts), ...
+    turns: list[Turn] = field(default_factory=list)
+    won: bool = False
+    score: float = 0.0  # final environment reward of the episode
+    final_observation: str = ""  # o_T, the observation after the last action
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def next_observation(self, t: int) -> str:
+        """o_{t+1}: the observation that answered turn t."""
+        return self.turns[t + 1].observation if t + 1 < len(self.turns) else self.final_observation
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+
+_EPISODE_FIELDS = [f.name for f in fields(Episode) if f.name != "turns"]
+_TURN_FIELDS = [f.name for f in fields(Turn)]
+
+ARROW_SCHEMA = pa.schema([
+    ("episode_id", pa.string()),
+    ("task_id", pa.string()),
+    ("env", pa.string()),
+    ("split", pa.string()),
+    ("source", pa.string()),
+    ("won", pa.bool_()),
+    ("score", pa.float64()),
+    ("final_observation", pa.string()),
+    ("meta", pa.string()),  # JSON
+    ("turn_index", pa.int32()),
+    ("observation", pa.string()),
+    ("agent_text", pa.string()),
+    ("action", pa.string()),
+    ("format_valid", pa.bool_()),
+    ("action_valid", pa.bool_()),
+    ("reward", pa.float64()),
+    ("done", pa.bool_()),
+    ("context_ids", pa.list_(pa.int32())),
+    ("action_ids", pa.list_(pa.int32())),
+    ("action_logprobs", pa.list_(pa.float32())),
+    ("r_aux", pa.float64()),
+    ("value", pa.float64()),
+    ("q_value", pa.float64()),
+    ("advantage", pa.float64()),
+    ("generation_seconds", pa.float64()),
+    ("env_seconds", pa.float64()),
+    ("info", pa.string()),  # JSON
+])
+
+
+def episodes_to_table(episodes: Iterable[Episode]) -> pa.Table:
+    columns: dict[str, list[Any]] = {name: [] for name in ARROW_SCHEMA.names}
+    for ep in episodes:
+        if not ep.turns:
+            raise StoreError(f"episode {ep.episode_id!r} has no turns; the store keeps one row per turn")
+        ep_values = {name: getattr(ep, name) for name in _EPISODE_FIELDS}
+        ep_values["meta"] = json.dumps(ep.meta, sort_keys=True)
+        for t, turn in enumerate(ep.turns):
+            for name, value in ep_values.items():
+                columns[name].append(value)
+            columns["turn_index"].append(t)
+            for name in _TURN_FIELDS:
+                value = getattr(turn, name)
+                columns[name].append(json.dumps(value, sort_keys=True) if name == "info" else value)
+    return pa.Table.from_pydict(columns, schema=ARROW_SCHEMA)
+
+
+def table_to_episodes(table: pa.Table) -> list[Episode]:
+    data = table.to_pydict()
+    n = table.num_rows
+    episodes: list[Episode] = []
+    current: Episode | None = None
+    for i in range(n):
+        turn_index = data["turn_index"][i]
+        if turn_index == 0:
+            current = Episode(**{name: data[name][i] for name in _EPISODE_FIELDS})
+            current.meta = json.loads(current.meta) if current.meta else {}
+            episodes.append(current)
+        elif current is None or data["episode_id"][i] != current.episode_id or turn_index != current.num_turns:
+            raise StoreError(f"row {i}: turn {turn_index} of episode {data['episode_id'][i]!r} is out of order")
+        turn_values = {name: data[name][i] for name in _TURN_FIELDS}
+        turn_values["info"] = json.loads(turn_values["info"]) if turn_values["info"] else {}
+        current.turns.append(Turn(**turn_values))
+    return episodes
+
+
+def _atomic_write_table(table: pa.Table, path: Path, metadata: dict[str, Any] | None) -> None:
+    schema_meta = {SCHEMA_KEY: str(SCHEMA_VERSION).encode(), META_KEY: json.dumps(metadata or {}).encode()}
+    table = table.replace_schema_metadata(schema_meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_episodes(path: str | Path, episodes: Iterable[Episode], metadata: dict[str, Any] | None = None) -> Path:
+    """Write episodes to one Parquet file atomically (temp file + rename)."""
+    path = Path(path)
+    _atomic_write_table(episodes_to_table(episodes), path, metadata)
+    return path
+
+
+def shard_paths(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("part-*.parquet"))
+
+
+def write_shard(folder: str | Path, index: int, episodes: Iterable[Episode],
+                metadata: dict[str, Any] | None = None) -> Path:
+    """Write one shard ``part-{index:05d}.parquet`` of a sharded store."""
+    return write_episodes(Path(folder) / f"part-{index:05d}.parquet", episodes, metadata)
+
+
+def _check_file(path: Path) -> pq.ParquetFile:
+    try:
+        handle = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise StoreError(f"{path}: not a Parquet trajectory file ({err})") from None
+    meta = handle.schema_arrow.metadata or {}
+    if SCHEMA_KEY not in meta:
+        raise StoreError(f"{path}: not a qevolve trajectory file (no {SCHEMA_KEY.decode()} in its metadata)")
+    version = int(meta[SCHEMA_KEY])
+    if version != SCHEMA_VERSION:
+        raise StoreError(
+            f"{path}: trajectory schema version {version}, but this qevolve reads version {SCHEMA_VERSION}"
+        )
+    return handle
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    files = shard_paths(path) if path.is_dir() else [path]
+    if not files:
+        return {}
+    meta = _check_file(files[0]).schema_arrow.metadata or {}
+    return json.loads(meta.get(META_KEY, b"{}"))
+
+
+def iter_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_dir():
+        files = shard_paths(path)
+        if not files:
+            raise StoreError(f"{path}: folder holds no part-*.parquet shards")
+        return files
+    if not path.exists():
+        raise StoreError(f"{path}: trajectory file not found")
+    return [path]
+
+
+def read_table(path: str | Path) -> pa.Table:
+    tables = []
+    for file in iter_files(path):
+        _check_file(file)
+        tables.append(pq.read_table(file, schema=ARROW_SCHEMA))
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def read_episodes(path: str | Path) -> list[Episode]:
+    """Read every episode of a store (file or sharded folder)."""
+    return table_to_episodes(read_table(path))
+
+
+def iter_episodes(path: str | Path) -> Iterator[Episode]:
+    for file in iter_files(path):
+        yield from read_episodes(file)
+
+
+def episode_as_dict(ep: Episode) -> dict[str, Any]:
+    return asdict(ep)
+
+
+def summarize(episodes: list[Episode]) -> dict[str, Any]:
+    """Counts and rates for ``qevolve data show``."""
+    groups: dict[tuple[str, str, str], list[Episode]] = {}
+    for ep in episodes:
+        groups.setdefault((ep.env, ep.split, ep.source), []).append(ep)
+    rows = []
+    for (env, split, source), eps in sorted(groups.items()):
+        turns = [t for ep in eps for t in ep.turns]
+        rows.append({
+            "env": env, "split": split, "source": source,
+            "episodes": len(eps),
+            "turns": len(turns),
+            "success_rate": sum(ep.won for ep in eps) / len(eps),
+            "mean_score": sum(ep.score for ep in eps) / len(eps),
+            "mean_turns": len(turns) / len(eps),
+            "format_error_rate": sum(not t.format_valid for t in turns) / max(len(turns), 1),
+            "invalid_action_rate": sum(not t.action_valid for t in turns) / max(len(turns), 1),
+            "tokenised": sum(t.action_ids is not None for t in turns) / max(len(turns), 1),
+            "labelled": sum(t.advantage is not None for t in turns) / max(len(turns), 1),
+        })
+    return {"episodes": len(episodes), "groups": rows}

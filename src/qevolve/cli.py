@@ -1,0 +1,158 @@
+"""The ``qevolve`` command line: one sub-command per stage of the pipeline.
+
+Errors that are the user's (bad config, missing data, bad file) print one line and exit 2;
+everything else is a bug and shows its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from qevolve.buffer.store import StoreError
+from qevolve.config import ConfigError
+from qevolve.data.install import DataInstallError
+
+app = typer.Typer(help="Q-Evolve: self-evolving LLM agents with in-distribution optimisation.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+data_app = typer.Typer(help="Install data, build expert demonstrations, inspect trajectory files.",
+                       no_args_is_help=True)
+env_app = typer.Typer(help="Play environments with scripted policies.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+app.add_typer(env_app, name="env")
+
+USER_ERRORS = (ConfigError, DataInstallError, StoreError, FileNotFoundError, KeyError, ValueError)
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
+    """A plain aligned text table (no dependency, copy-pastes into Markdown)."""
+    if not rows:
+        typer.echo("(no rows)")
+        return
+    columns = columns or list(rows[0])
+
+    def fmt(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return str(value)
+
+    cells = [[fmt(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    typer.echo("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    typer.echo("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        typer.echo("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |")
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+@data_app.command("install")
+def data_install(
+    names: list[str] = typer.Argument(..., help="alfworld, webshop, sciworld or all"),
+    source: Optional[Path] = typer.Option(None, "--from", help="folder with the raw files (default: ../shared/data "
+                                          "beside this checkout if present, else the upstream downloads)"),
+    force: bool = typer.Option(False, help="reinstall even if a complete install exists"),
+) -> None:
+    """Copy or unpack datasets into the data directory ($QEVOLVE_DATA_DIR), verifying sha256."""
+    from qevolve.data.install import install
+
+    if source is not None and not source.is_dir():
+        fail(f"--from {source}: not a folder")
+    install(names, source=source, force=force, log=typer.echo)
+
+
+@data_app.command("show")
+def data_show(path: Path = typer.Argument(..., help="a trajectory file or sharded folder"),
+              as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
+    """Summarise a trajectory store: episodes, turns, success, labels, by env/split/source."""
+    from qevolve.buffer.store import read_episodes, read_metadata, summarize
+
+    summary = summarize(read_episodes(path))
+    summary["metadata"] = read_metadata(path)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=1))
+        return
+    typer.echo(f"{path}: {summary['episodes']} episodes")
+    print_table(summary["groups"])
+
+
+@data_app.command("expert")
+def data_expert(
+    env: str = typer.Argument(..., help="environment name (alfworld, sciworld, webshop)"),
+    output: Optional[Path] = typer.Option(None, help="output folder (default: DATA_DIR/experts/ENV)"),
+    split: str = typer.Option("train", help="split to build demonstrations from"),
+    workers: int = typer.Option(2, help="environment worker processes"),
+    limit: Optional[int] = typer.Option(None, help="only the first N demonstrations (quick runs)"),
+    shard_size: int = typer.Option(200, help="episodes per Parquet shard (the unit of resume)"),
+) -> None:
+    """Replay expert demonstrations in the real environment and keep the successful ones (resumable)."""
+    from qevolve.environments.experts import expert_task_type, generate_experts, get_expert_source
+    from qevolve.paths import data_dir
+
+    source_fn = get_expert_source(env)
+    jobs, dropped = source_fn(split=split, limit=limit)
+    output = output or data_dir() / "experts" / env
+    typer.echo(f"{env}: {len(jobs)} demonstrations to replay ({len(dropped)} unusable) -> {output}")
+    report = generate_experts(env, output, jobs, dropped, {"split": split}, num_workers=workers,
+                              shard_size=shard_size, task_type=expert_task_type(env))
+    summary = report.as_dict()
+    (output / "report.json").write_text(json.dumps(summary, indent=1))
+    typer.echo(f"kept {report.kept} won demonstrations; dropped: {dict(report.dropped) or 'none'}")
+    print_table([{"task_type": k, "kept": v[0], "tried": v[1]} for k, v in sorted(report.per_task_type.items())])
+    typer.echo(f"{report.env_steps} env steps in {report.seconds:.0f} s "
+               f"({summary['steps_per_second']} steps/s, {workers} workers)")
+
+
+# ------------------------------------------------------------------------------------------ env
+
+
+@env_app.command("play")
+def env_play(
+    env: str = typer.Argument(..., help="environment name"),
+    split: str = typer.Option("unseen", help="task split"),
+    policy: str = typer.Option("walkthrough", help="expert | walkthrough | random (or env-specific, e.g. oracle)"),
+    workers: int = typer.Option(2, help="environment worker processes"),
+    limit: Optional[int] = typer.Option(None, help="only the first N tasks"),
+    seed: int = typer.Option(0, help="seed of the random policy"),
+    output: Optional[Path] = typer.Option(None, help="also write the trajectories to this Parquet file"),
+) -> None:
+    """Play a split with a scripted policy; print success rate, mean turns and env steps/s."""
+    from qevolve.buffer.store import write_episodes
+    from qevolve.environments.experts import get_expert_source
+    from qevolve.environments.play import play_jobs, scripted_jobs
+
+    if policy == "expert":
+        jobs, dropped = get_expert_source(env)(split=split, limit=limit)
+        if dropped:
+            typer.echo(f"{len(dropped)} tasks have no usable expert demonstration")
+    else:
+        jobs = scripted_jobs(env, split, policy, limit=limit, seed=seed)
+    result = play_jobs(env, jobs, split=split, num_workers=workers)
+    print_table([result.metrics])
+    if output is not None:
+        write_episodes(output, result.episodes, {"env": env, "split": split, "policy": policy})
+        typer.echo(f"wrote {len(result.episodes)} episodes to {output}")
+
+
+def main() -> None:
+    try:
+        app()
+    except USER_ERRORS as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        typer.echo(f"error: {message}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

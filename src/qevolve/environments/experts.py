@@ -1,0 +1,128 @@
+"""Expert demonstrations for any environment: build jobs, play them in the pool, keep the winners.
+
+Each environment registers an *expert source*: a function that returns the episode jobs to play
+(with a worker-side policy each) and the tasks it had to drop with a reason. The generic runner
+plays them on all workers, keeps only episodes that meet the environment's bar (won), writes the
+store shard by shard (atomically) and resumes after a crash by skipping the tasks already in the
+shards. It reports how many were kept and why the others were dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from qevolve.buffer.store import Episode, read_episodes, shard_paths, write_shard
+from qevolve.environments.pool import EnvPool, EpisodeJob
+
+ExpertSourceFn = Callable[..., tuple[list[EpisodeJob], list[tuple[str, str]]]]
+_EXPERT_SOURCES: dict[str, ExpertSourceFn] = {}
+_TASK_TYPES: dict[str, Callable[[str], str]] = {}
+
+
+def register_expert_source(env_name: str, task_type: Callable[[str], str] | None = None):
+    """Register ``fn(split=..., limit=...) -> (jobs, dropped)``; ``task_type`` groups the report."""
+    def _register(fn: ExpertSourceFn) -> ExpertSourceFn:
+        _EXPERT_SOURCES[env_name] = fn
+        if task_type is not None:
+            _TASK_TYPES[env_name] = task_type
+        return fn
+    return _register
+
+
+def expert_task_type(env_name: str) -> Callable[[str], str]:
+    get_expert_source(env_name)
+    return _TASK_TYPES.get(env_name, lambda task_id: "all")
+
+
+def get_expert_source(env_name: str) -> ExpertSourceFn:
+    from qevolve.environments.base import get_factory
+
+    get_factory(env_name)  # imports the environment's module, which registers its expert source
+    if env_name not in _EXPERT_SOURCES:
+        raise KeyError(f"environment {env_name!r} has no expert demonstrations")
+    return _EXPERT_SOURCES[env_name]
+
+
+@dataclass
+class ExpertReport:
+    kept: int = 0
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    per_task_type: dict[str, list[int]] = field(default_factory=dict)  # type -> [kept, tried]
+    seconds: float = 0.0
+    env_steps: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kept": self.kept, "dropped": dict(self.dropped), "per_task_type": self.per_task_type,
+                "seconds": round(self.seconds, 1), "env_steps": self.env_steps,
+                "steps_per_second": round(self.env_steps / self.seconds, 2) if self.seconds else None}
+
+
+def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dropped: list[tuple[str, str]],
+                     env_kwargs: dict[str, Any], num_workers: int = 2, shard_size: int = 200,
+                     keep: Callable[[Episode], str | None] | None = None,
+                     task_type: Callable[[str], str] = lambda task_id: "all",
+                     step_timeout: float = 60.0, progress: bool = True) -> ExpertReport:
+    """Play ``jobs`` and write the kept episodes as shards of ``output`` (a folder). Resumable."""
+    keep = keep or (lambda ep: None if ep.won else "not won")
+    output.mkdir(parents=True, exist_ok=True)
+    done_path = output / "attempted.json"
+    # Resume: tasks already attempted (kept or dropped) are skipped.
+    attempted: dict[str, str | None] = json.loads(done_path.read_text()) if done_path.exists() else {}
+    kept_before = sum(ep_count for ep_count in [len(read_episodes(p)) for p in shard_paths(output)])
+    report = ExpertReport(kept=kept_before)
+    for task_id, reason in pre_dropped:
+        report.dropped[reason] += 1
+    for task_id, reason in attempted.items():
+        if reason is not None:
+            report.dropped[reason] += 1
+    todo = [job for job in jobs if job.task_id not in attempted]
+    shard_index = len(shard_paths(output))
+    buffer: list[Episode] = []
+    pending_attempts: dict[str, str | None] = {}
+
+    def flush() -> None:
+        nonlocal shard_index
+        if buffer:
+            write_shard(output, shard_index, buffer, {"env": env_name, "kind": "expert"})
+            shard_index += 1
+            buffer.clear()
+        attempted.update(pending_attempts)
+        pending_attempts.clear()
+        tmp = done_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(attempted))
+        tmp.replace(done_path)
+
+    started = time.perf_counter()
+    bar = tqdm(total=len(todo), desc=f"{env_name} experts", unit="ep", disable=not progress)
+    with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
+        for outcome in pool.run_episodes(todo):
+            kind = task_type(outcome.job.task_id)
+            counts = report.per_task_type.setdefault(kind, [0, 0])
+            counts[1] += 1
+            report.env_steps += outcome.steps
+            if outcome.failed:
+                reason = f"failed: {outcome.error.splitlines()[0][:80]}"
+            else:
+                reason = keep(outcome.episode)
+            if reason is None:
+                buffer.append(outcome.episode)
+                report.kept += 1
+                counts[0] += 1
+            else:
+                report.dropped[reason] += 1
+            pending_attempts[outcome.job.task_id] = reason
+            bar.update(1)
+            bar.set_postfix(kept=report.kept, dropped=sum(report.dropped.values()))
+            if len(buffer) >= shard_size:
+                flush()
+    flush()
+    bar.close()
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,81 @@
+"""Play a split with a worker-side scripted policy and measure it (``qevolve env play``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from qevolve.buffer.store import Episode
+from qevolve.environments.base import make_environment
+from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy
+from qevolve.environments.policies import RandomPolicy, WalkthroughPolicy
+
+
+def list_tasks(env_name: str, split: str, limit: int | None = None, **env_kwargs: Any) -> list[str]:
+    env = make_environment(env_name, **env_kwargs)
+    try:
+        tasks = env.tasks(split)
+    finally:
+        env.close()
+    return tasks[:limit] if limit is not None else tasks
+
+
+def make_policy(name: str, seed: int = 0) -> EpisodePolicy:
+    if name == "walkthrough":
+        return WalkthroughPolicy()
+    if name == "random":
+        return RandomPolicy(seed)
+    raise ValueError(f"policy {name!r}: expected expert, walkthrough or random")
+
+
+def scripted_jobs(env_name: str, split: str, policy: str, limit: int | None = None, seed: int = 0) -> list[EpisodeJob]:
+    tasks = list_tasks(env_name, split, limit)
+    return [EpisodeJob(task, make_policy(policy, seed), split=split) for task in tasks]
+
+
+@dataclass
+class PlayResult:
+    episodes: list[Episode]
+    failures: list[tuple[str, str]]
+    metrics: dict[str, Any]
+
+
+def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: int = 2,
+              env_kwargs: dict[str, Any] | None = None, progress: bool = True,
+              step_timeout: float = 60.0) -> PlayResult:
+    """Play every job on ``num_workers`` processes; failed episodes count as lost, never dropped."""
+    env_kwargs = {"split": split, **(env_kwargs or {})}
+    episodes: list[Episode] = []
+    failures: list[tuple[str, str]] = []
+    steps = 0
+    started = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc=f"{env_name}/{split}", unit="ep", disable=not progress)
+    with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
+        for outcome in pool.run_episodes(jobs):
+            steps += outcome.steps
+            if outcome.failed:
+                failures.append((outcome.job.task_id, outcome.error or "failed"))
+            else:
+                episodes.append(outcome.episode)
+            bar.update(1)
+            won = sum(ep.won for ep in episodes)
+            bar.set_postfix(won=f"{won}/{len(episodes) + len(failures)}")
+    bar.close()
+    seconds = time.perf_counter() - started
+    n = len(episodes) + len(failures)
+    metrics = {
+        "env": env_name, "split": split, "episodes": n,
+        "won": sum(ep.won for ep in episodes),
+        "success_rate": sum(ep.won for ep in episodes) / n if n else 0.0,
+        "mean_reward": sum(ep.score for ep in episodes) / n if n else 0.0,
+        "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
+        "failed": len(failures),
+        "env_steps": steps,
+        "seconds": round(seconds, 1),
+        "steps_per_s": round(steps / seconds, 2) if seconds else 0.0,
+        "workers": num_workers,
+    }
+    return PlayResult(episodes, failures, metrics)

@@ -1,0 +1,385 @@
+"""A pool of worker processes that own environment instances and step them in parallel.
+
+Text simulators (TextWorld's PDDL planner, ScienceWorld's JVM) are CPU-bound and not thread-safe,
+so parallelism comes from processes. Each worker owns any number of environment instances, one per
+*slot*; the caller addresses slots, the pool routes every slot to a fixed worker.
+
+Two ways to drive it:
+
+* :meth:`EnvPool.run_episodes` plays whole episodes inside the workers with a cheap, picklable
+  :class:`EpisodePolicy` (expert replay, walkthrough, random); results stream back as they finish.
+* :meth:`EnvPool.reset` / :meth:`EnvPool.step` advance many slots in lockstep, for an LLM policy
+  that lives in the main process and generates all pending turns in one batch.
+
+Every command has a deadline (``step_timeout`` per environment step, ``reset_timeout`` per reset).
+A worker that misses it, or dies, is killed and replaced; the episodes it was running are reported
+as failed (``info["failed"] = True`` with the reason), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterable, Iterator
+
+from qevolve.buffer.store import Episode, Turn
+from qevolve.environments.base import Environment, StepResult, make_environment
+
+# ---------------------------------------------------------------------------------------------
+# Worker-side policies: cheap enough to run inside the environment process.
+
+
+class EpisodePolicy:
+    """A policy that runs inside a worker. Subclasses must be picklable (plain attributes)."""
+
+    #: label written to the trajectory store's ``source`` column
+    source: str = "policy"
+
+    def start(self, env: Environment, task_id: str, observation: str) -> None:
+        """Called after reset."""
+
+    def act(self, env: Environment, observation: str) -> str | None:
+        """The next action, or None to stop the episode early (e.g. an exhausted replay)."""
+        raise NotImplementedError
+
+
+@dataclass
+class EpisodeJob:
+    task_id: str
+    policy: EpisodePolicy
+    split: str = ""
+    max_turns: int | None = None  # None: the environment's own limit
+    episode_id: str | None = None
+
+
+@dataclass
+class EpisodeOutcome:
+    job: EpisodeJob
+    episode: Episode | None  # None when the episode failed (worker crash, timeout, exception)
+    error: str | None = None
+    worker_pid: int | None = None
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.episode is None
+
+
+def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None) -> Episode:
+    """Play one episode of ``job`` with its worker-side policy and record it."""
+    started = time.perf_counter()
+    observation = env.reset(job.task_id)
+    if on_step:
+        on_step("reset")
+    job.policy.start(env, job.task_id, observation)
+    limit = job.max_turns if job.max_turns is not None else env.max_turns(job.task_id)
+    episode = Episode(
+        episode_id=job.episode_id or f"{env_name}/{job.split}/{job.task_id}",
+        task_id=job.task_id, env=env_name, split=job.split, source=job.policy.source,
+    )
+    final_info: dict[str, Any] = {}
+    for _ in range(limit):
+        action = job.policy.act(env, observation)
+        if action is None:
+            break
+        t0 = time.perf_counter()
+        result = env.step(action)
+        if on_step:
+            on_step("step")
+        episode.turns.append(Turn(
+            observation=observation, agent_text=f"Action: {action}", action=action,
+            format_valid=True, action_valid=bool(result.info.get("valid_action", True)),
+            reward=float(result.reward), done=bool(result.done), env_seconds=time.perf_counter() - t0,
+        ))
+        observation = result.observation
+        final_info = result.info
+        if result.done:
+            break
+    episode.final_observation = observation
+    episode.won = bool(final_info.get("won", False))
+    episode.score = float(final_info.get("score", 0.0))
+    episode.meta = {"seconds": time.perf_counter() - started}
+    return episode
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker process.
+
+
+def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) -> None:
+    envs: dict[int, Environment] = {}
+
+    def env_for(slot: int) -> Environment:
+        if slot not in envs:
+            envs[slot] = make_environment(env_name, **env_kwargs)
+        return envs[slot]
+
+    def tick(kind: str) -> None:
+        conn.send(("tick", kind))  # a heartbeat: it renews the caller's per-step deadline
+
+    try:
+        while True:
+            try:
+                command, slot, payload = conn.recv()
+            except EOFError:
+                break
+            if command == "close":
+                break
+            try:
+                if command == "reset":
+                    reply: Any = env_for(slot).reset(payload)
+                elif command == "step":
+                    reply = env_for(slot).step(payload)
+                elif command == "call":
+                    method, args = payload
+                    reply = getattr(env_for(slot), method)(*args)
+                elif command == "episode":
+                    reply = play_episode(env_for(slot), payload, env_name, on_step=tick)
+                elif command == "drop":
+                    env = envs.pop(slot, None)
+                    if env is not None:
+                        env.close()
+                    reply = None
+                else:
+                    raise ValueError(f"unknown pool command {command!r}")
+                conn.send(("ok", reply))
+            except Exception as err:  # reported to the caller, the worker lives on
+                conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"))
+    finally:
+        for env in envs.values():
+            try:
+                env.close()
+            except Exception:
+                pass
+        conn.close()
+
+
+@dataclass
+class _Worker:
+    process: mp.process.BaseProcess
+    conn: Connection
+    slots: set[int] = field(default_factory=set)
+
+
+class PoolError(RuntimeError):
+    pass
+
+
+class EnvPool:
+    """``num_workers`` processes owning environments of ``env_name`` built with ``env_kwargs``."""
+
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any] | None = None, num_workers: int = 2,
+                 step_timeout: float = 60.0, reset_timeout: float = 180.0, start_method: str = "spawn"):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.env_name = env_name
+        self.env_kwargs = dict(env_kwargs or {})
+        self.step_timeout = step_timeout
+        self.reset_timeout = reset_timeout
+        self._ctx = mp.get_context(start_method)
+        self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
+        self.replaced_workers = 0
+        self._lost_slots: dict[int, str] = {}  # slot -> why its environment was lost
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs),
+                                    daemon=True, name=f"qevolve-env-{self.env_name}")
+        process.start()
+        child.close()
+        return _Worker(process, parent)
+
+    def _replace(self, index: int) -> None:
+        old = self._workers[index]
+        if old.process.is_alive():
+            old.process.kill()
+        old.process.join(timeout=5)
+        old.conn.close()
+        self._workers[index] = self._spawn()
+        self.replaced_workers += 1
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask every worker to close its environments and exit; kill those that do not."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                worker.conn.send(("close", 0, None))
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + timeout
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=5)
+            worker.conn.close()
+
+    def __enter__(self) -> "EnvPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close(timeout=2.0)
+        except Exception:
+            pass
+
+    # -- whole episodes inside the workers -----------------------------------------------------
+
+    def run_episodes(self, jobs: Iterable[EpisodeJob]) -> Iterator[EpisodeOutcome]:
+        """Play every job (one at a time per worker); yield outcomes in completion order."""
+        queue = deque(jobs)
+        running: dict[int, tuple[EpisodeJob, float, float, int]] = {}  # worker -> (job, deadline, start, steps)
+        while queue or running:
+            for index in range(self.num_workers):
+                if index not in running and queue:
+                    job = queue.popleft()
+                    self._workers[index].conn.send(("episode", -1, job))
+                    now = time.monotonic()
+                    running[index] = (job, now + self.reset_timeout, now, 0)
+            yield from self._collect_episodes(running)
+
+    def _collect_episodes(self, running: dict[int, tuple[EpisodeJob, float, float, int]]) -> Iterator[EpisodeOutcome]:
+        now = time.monotonic()
+        timeout = max(0.0, min(deadline for _, deadline, _, _ in running.values()) - now)
+        by_conn = {self._workers[i].conn: i for i in running}
+        sentinels = {self._workers[i].process.sentinel: i for i in running}
+        ready = wait(list(by_conn) + list(sentinels), timeout=timeout)
+        done_workers: set[int] = set()
+        for handle in ready:
+            if handle in by_conn:
+                index = by_conn[handle]
+                job, deadline, start, steps = running[index]
+                pid = self._workers[index].process.pid
+                try:
+                    kind, payload = handle.recv()
+                except (EOFError, OSError):
+                    continue  # the sentinel reports the death below
+                if kind == "tick":
+                    steps += payload == "step"
+                    running[index] = (job, time.monotonic() + self.step_timeout, start, steps)
+                    continue
+                seconds = time.monotonic() - start
+                if kind == "ok":
+                    yield EpisodeOutcome(job, payload, None, pid, steps, seconds)
+                else:
+                    yield EpisodeOutcome(job, None, payload, pid, steps, seconds)
+                del running[index]
+                done_workers.add(index)
+        # Deaths and missed deadlines: kill, replace, report the episode as failed.
+        now = time.monotonic()
+        for index in list(running):
+            job, deadline, start, steps = running[index]
+            worker = self._workers[index]
+            dead = not worker.process.is_alive()
+            if dead or now > deadline:
+                reason = (f"worker {worker.process.pid} died (exit code {worker.process.exitcode})" if dead
+                          else f"no answer within the step timeout ({self.step_timeout:.0f} s)")
+                pid = worker.process.pid
+                self._replace(index)
+                del running[index]
+                yield EpisodeOutcome(job, None, reason, pid, steps, now - start)
+
+    # -- lockstep stepping for a policy in the main process -----------------------------------
+
+    def _worker_of(self, slot: int) -> int:
+        return slot % self.num_workers
+
+    def _round(self, commands: list[tuple[int, str, Any]], per_command_timeout: float) -> dict[int, tuple[str, Any]]:
+        """Send (slot, command, payload) triples; return slot -> ("ok"|"error"|"failed", payload)."""
+        per_worker: dict[int, deque[int]] = {}
+        for slot, command, payload in commands:
+            index = self._worker_of(slot)
+            self._workers[index].conn.send((command, slot, payload))
+            self._workers[index].slots.add(slot)
+            per_worker.setdefault(index, deque()).append(slot)
+        replies: dict[int, tuple[str, Any]] = {}
+        deadlines = {index: time.monotonic() + per_command_timeout for index in per_worker}
+        while per_worker:
+            by_conn = {self._workers[i].conn: i for i in per_worker}
+            sentinels = {self._workers[i].process.sentinel: i for i in per_worker}
+            timeout = max(0.0, min(deadlines[i] for i in per_worker) - time.monotonic())
+            ready = wait(list(by_conn) + list(sentinels), timeout=timeout)
+            for handle in ready:
+                if handle in by_conn:
+                    index = by_conn[handle]
+                    try:
+                        kind, payload = handle.recv()
+                    except (EOFError, OSError):
+                        continue
+                    if kind == "tick":
+                        continue
+                    slot = per_worker[index].popleft()
+                    replies[slot] = (kind, payload)
+                    deadlines[index] = time.monotonic() + per_command_timeout
+                    if not per_worker[index]:
+                        del per_worker[index]
+            now = time.monotonic()
+            for index in list(per_worker):
+                worker = self._workers[index]
+                dead = not worker.process.is_alive()
+                if dead or now > deadlines[index]:
+                    reason = (f"worker {worker.process.pid} died (exit code {worker.process.exitcode})" if dead
+                              else f"no answer within the timeout ({per_command_timeout:.0f} s)")
+                    # Every environment on that worker is lost, not only the pending ones: the
+                    # others fail at their next step instead of stepping a fresh, unreset env.
+                    for slot in worker.slots:
+                        self._lost_slots[slot] = reason
+                    for slot in per_worker.pop(index):
+                        replies[slot] = ("failed", reason)
+                    self._replace(index)
+        return replies
+
+    @staticmethod
+    def _failed_step(reason: str) -> StepResult:
+        return StepResult("", 0.0, True, {"won": False, "score": 0.0, "valid_action": False,
+                                           "failed": True, "error": reason})
+
+    def reset(self, requests: list[tuple[int, str]]) -> dict[int, str | StepResult]:
+        """Reset slots to tasks; a failed reset comes back as a failed :class:`StepResult`."""
+        for slot, _ in requests:
+            self._lost_slots.pop(slot, None)
+        replies = self._round([(slot, "reset", task) for slot, task in requests], self.reset_timeout)
+        return {slot: payload if kind == "ok" else self._failed_step(str(payload))
+                for slot, (kind, payload) in replies.items()}
+
+    def step(self, requests: list[tuple[int, str]]) -> dict[int, StepResult]:
+        """Step slots with actions in parallel. A failure ends that slot's episode (``done``)."""
+        lost = {slot: self._failed_step(self._lost_slots[slot]) for slot, _ in requests if slot in self._lost_slots}
+        live = [(slot, "step", action) for slot, action in requests if slot not in lost]
+        replies = self._round(live, self.step_timeout) if live else {}
+        results = {slot: payload if kind == "ok" else self._failed_step(str(payload))
+                   for slot, (kind, payload) in replies.items()}
+        results.update(lost)
+        return results
+
+    def call(self, slot: int, method: str, *args: Any) -> Any:
+        """Call a method of a slot's environment (e.g. ``admissible_actions``)."""
+        kind, payload = self._round([(slot, "call", (method, args))], self.step_timeout)[slot]
+        if kind != "ok":
+            raise PoolError(f"{method} on slot {slot} failed: {payload}")
+        return payload
+
+
+def default_num_workers() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), 8))
