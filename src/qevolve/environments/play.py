@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
 from qevolve.buffer.store import Episode
-from qevolve.environments.base import make_environment
+from qevolve.environments.base import get_factory, make_environment
 from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy
 from qevolve.environments.policies import RandomPolicy, WalkthroughPolicy
 
@@ -23,17 +23,30 @@ def list_tasks(env_name: str, split: str, limit: int | None = None, **env_kwargs
     return tasks[:limit] if limit is not None else tasks
 
 
-def make_policy(name: str, seed: int = 0) -> EpisodePolicy:
+PolicyFactory = Callable[[int], EpisodePolicy]  # seed -> policy
+_PLAY_POLICIES: dict[tuple[str, str], PolicyFactory] = {}
+
+
+def register_play_policy(env_name: str, name: str, factory: PolicyFactory) -> None:
+    """An environment-specific scripted policy for ``qevolve env play`` (e.g. WebShop's oracle)."""
+    _PLAY_POLICIES[(env_name, name)] = factory
+
+
+def make_policy(env_name: str, name: str, seed: int = 0) -> EpisodePolicy:
+    get_factory(env_name)  # imports the environment module, which registers its own policies
+    if (env_name, name) in _PLAY_POLICIES:
+        return _PLAY_POLICIES[(env_name, name)](seed)
     if name == "walkthrough":
         return WalkthroughPolicy()
     if name == "random":
         return RandomPolicy(seed)
-    raise ValueError(f"policy {name!r}: expected expert, walkthrough or random")
+    own = sorted(n for e, n in _PLAY_POLICIES if e == env_name)
+    raise ValueError(f"policy {name!r}: expected one of expert, walkthrough, random{''.join(', ' + n for n in own)}")
 
 
 def scripted_jobs(env_name: str, split: str, policy: str, limit: int | None = None, seed: int = 0) -> list[EpisodeJob]:
     tasks = list_tasks(env_name, split, limit)
-    return [EpisodeJob(task, make_policy(policy, seed), split=split) for task in tasks]
+    return [EpisodeJob(task, make_policy(env_name, policy, seed), split=split) for task in tasks]
 
 
 @dataclass
