@@ -1,0 +1,54 @@
+"""A tiny deterministic environment for tests and as an example of a user environment.
+
+The task ``count-N`` is won by saying ``next`` N times; ``wait S`` sleeps S seconds (to exercise
+the pool's timeouts) and ``crash`` kills the process (to exercise worker replacement). Register it
+under any name with ``register_environment`` or refer to it as
+``qevolve.environments.testing:CounterEnv``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from qevolve.environments.base import Environment, StepResult
+
+
+class CounterEnv(Environment):
+    name = "counter"
+    instruction = "Say `next` until the counter reaches the target."
+
+    def __init__(self, split: str = "train", max_turns: int = 20):
+        self._max_turns = max_turns
+        self.target = 0
+        self.count = 0
+
+    def tasks(self, split: str) -> list[str]:
+        return [f"count-{n}" for n in range(1, 6)]
+
+    def max_turns(self, task_id: str | None = None) -> int:
+        return self._max_turns
+
+    def reset(self, task_id: str) -> str:
+        self.target = int(task_id.split("-")[1])
+        self.count = 0
+        return f"Your task is to: count to {self.target}. pid {os.getpid()}"
+
+    def step(self, action: str) -> StepResult:
+        if action == "crash":
+            os._exit(17)
+        if action.startswith("wait "):
+            time.sleep(float(action.split()[1]))
+        valid = action == "next"
+        if valid:
+            self.count += 1
+        won = self.count >= self.target
+        observation = f"count {self.count}" if valid else "Nothing happens."
+        return StepResult(observation, 1.0 if won else 0.0, won,
+                          {"won": won, "score": 1.0 if won else 0.0, "valid_action": valid})
+
+    def admissible_actions(self) -> list[str]:
+        return ["next"]
+
+    def expert_actions(self) -> list[str]:
+        return ["next"] * (self.target - self.count)
