@@ -1,0 +1,50 @@
+import json
+
+import pytest
+
+from qevolve.evolve.run_dir import RunDirectory, RunError
+
+
+def stage_writer(text, metric):
+    def fn(workdir):
+        (workdir / "out.txt").write_text(text)
+        return {"file": "out.txt"}, {"value": metric}
+    return fn
+
+
+def test_stages_are_recorded_once_and_skipped_on_resume(tmp_path):
+    run = RunDirectory(tmp_path / "r", {"a": 1}, seed=0)
+    rec = run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    assert rec.outputs == {"file": "bc/out.txt"}
+    assert (tmp_path / "r/bc/out.txt").read_text() == "x"
+    with pytest.raises(RunError, match="already holds a run"):
+        RunDirectory(tmp_path / "r", {"a": 1}, seed=0)
+    with pytest.raises(RunError, match="different config"):
+        RunDirectory(tmp_path / "r", {"a": 2}, seed=0, resume=True)
+    again = RunDirectory(tmp_path / "r", {"a": 1}, seed=0, resume=True)
+    calls = []
+    again.run_stage("bc", {}, lambda w: calls.append(1) or ({}, {}), log=lambda m: None)
+    assert calls == []
+    lines = (tmp_path / "r/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l) for l in lines] == [{"stage": "bc", "value": 1.0}]
+
+
+def test_killed_stage_leaves_nothing_and_resume_matches_uninterrupted(tmp_path):
+    def killed(workdir):
+        (workdir / "half.txt").write_text("partial")
+        raise KeyboardInterrupt
+
+    run = RunDirectory(tmp_path / "a", {"k": 1}, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    with pytest.raises(KeyboardInterrupt):
+        run.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, killed, log=lambda m: None)
+    assert not (tmp_path / "a/iter_1/critic").exists()
+    assert not list((tmp_path / "a").glob("**/.*partial*"))
+    resumed = RunDirectory(tmp_path / "a", {"k": 1}, seed=0, resume=True)
+    resumed.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, stage_writer("y", 2.0), log=lambda m: None)
+
+    clean = RunDirectory(tmp_path / "b", {"k": 1}, seed=0)
+    clean.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    clean.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, stage_writer("y", 2.0), log=lambda m: None)
+    assert (tmp_path / "a/manifest.json").read_text() == (tmp_path / "b/manifest.json").read_text()
+    assert (tmp_path / "a/metrics.jsonl").read_text() == (tmp_path / "b/metrics.jsonl").read_text()
