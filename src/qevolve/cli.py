@@ -145,6 +145,15 @@ def env_play(
         typer.echo(f"wrote {len(result.episodes)} episodes to {output}")
 
 
+@app.command("report")
+def report(run: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
+           max_episodes: int = typer.Option(200, help="trajectories shown per labelled buffer")) -> None:
+    """Write RUN/report.html: metrics per iteration as plots and a browsable, coloured trajectory list."""
+    from qevolve.evaluation.report import build_report
+
+    typer.echo(f"wrote {build_report(run, max_episodes=max_episodes)}")
+
+
 def main() -> None:
     try:
         app()
