@@ -24,7 +24,7 @@ def frequent_tokens(model, n=12):
     return logits.argmax(-1).unique()[:n].tolist()
 
 
-def play(backend, batched, turns=5, seed=0):
+def play(backend, batched, turns=5, seed=0, truncate=False):
     """Four episodes of random 'observations'; episode 1 ends after turn 1."""
     rng = random.Random(seed)
     prompts = {k: [rng.randint(10, 299) for _ in range(rng.randint(3, 12))] for k in range(4)}
@@ -43,6 +43,9 @@ def play(backend, batched, turns=5, seed=0):
         if turn == 1:
             backend.release([1])
             del prompts[1]
+        if turn == 2 and truncate:
+            # episode 2's history is cut (as a prompt budget would): no longer an extension of its cache
+            prompts[2] = prompts[2][:3] + prompts[2][-4:]
     return outputs, prompts
 
 
@@ -50,8 +53,8 @@ def test_batched_cached_equals_one_at_a_time_uncached(tiny_model):
     stops = frequent_tokens(tiny_model)
     fast = HFGenerationBackend(tiny_model, stops, reuse_cache=True)
     slow = HFGenerationBackend(tiny_model, stops, reuse_cache=False)
-    a, _ = play(fast, batched=True)
-    b, _ = play(slow, batched=False)
+    a, _ = play(fast, batched=True, truncate=True)
+    b, _ = play(slow, batched=False, truncate=True)
     lengths = set()
     for k in a:
         for (_, ra), (_, rb) in zip(a[k], b[k]):

@@ -141,15 +141,21 @@ class HFGenerationBackend(GenerationBackend):
         """Choose reuse or rebuild; return each request's new tokens to encode."""
         if self.reuse_cache and self._cache is not None:
             position = {row.key: i for i, row in enumerate(self._rows)}
-            reusable = all(
-                r.key in position
-                and len(r.prompt_ids) > len(self._rows[position[r.key]].tokens)
-                and r.prompt_ids[: len(self._rows[position[r.key]].tokens)] == self._rows[position[r.key]].tokens
-                for r in requests
-            ) and len({r.key for r in requests}) == len(requests)
-            if reusable:
+            known = all(r.key in position for r in requests) and len({r.key for r in requests}) == len(requests)
+            if known:
                 self._select_rows([position[r.key] for r in requests])
-                return [r.prompt_ids[len(row.tokens):] for r, row in zip(requests, self._rows)]
+                chunks = []
+                for i, (request, row) in enumerate(zip(requests, self._rows)):
+                    n = len(row.tokens)
+                    if len(request.prompt_ids) > n and request.prompt_ids[:n] == row.tokens:
+                        chunks.append(request.prompt_ids[n:])
+                        continue
+                    # This row's prompt no longer extends its cache (its history was truncated):
+                    # hide its old entries and encode its whole prompt afresh, positions from 0.
+                    self._mask[i].zero_()
+                    row.tokens, row.next_position = [], 0
+                    chunks.append(list(request.prompt_ids))
+                return chunks
         self._reset_cache()
         self.stats.cache_rebuilds += 1
         self._rows = [_Row(r.key, [], 0) for r in requests]
