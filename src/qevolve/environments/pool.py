@@ -47,6 +47,10 @@ class EpisodePolicy:
         """The next action, or None to stop the episode early (e.g. an exhausted replay)."""
         raise NotImplementedError
 
+    def turn_text(self, action: str) -> str:
+        """The agent's text for the action just chosen (a policy with thoughts adds them)."""
+        return f"Action: {action}"
+
 
 @dataclass
 class EpisodeJob:
@@ -93,7 +97,7 @@ def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None)
         if on_step:
             on_step("step")
         episode.turns.append(Turn(
-            observation=observation, agent_text=f"Action: {action}", action=action,
+            observation=observation, agent_text=job.policy.turn_text(action), action=action,
             format_valid=True, action_valid=bool(result.info.get("valid_action", True)),
             reward=float(result.reward), done=bool(result.done), env_seconds=time.perf_counter() - t0,
         ))

@@ -1,0 +1,133 @@
+"""Scripted WebShop policies: the oracle that writes synthetic expert demonstrations, and a naive baseline.
+
+No human demonstrations exist for the 1,000-product setting, so the expert data are synthetic: an
+oracle that knows the goal's target product searches with a query derived from the goal text,
+opens the target (paging if needed), clicks every option the goal asks for and buys. Its
+episodes are labelled ``source = "synthetic"`` in the trajectory store. With the
+``thought_action`` turn format each turn carries a short templated thought.
+
+The oracle picks its query offline (it may consult the search index like a person who knows what
+they want would rephrase): the first of these that brings the target onto the first results page,
+else the first that brings it into the top 50:
+
+1. the goal's instruction without its option and price clauses,
+2. the whole goal text,
+3. the product's own search query and the goal attributes,
+4. the product title.
+"""
+
+from __future__ import annotations
+
+from qevolve.environments.pool import EpisodeJob, EpisodePolicy
+from qevolve.environments.turn_format import TURN_FORMATS, format_turn
+from qevolve.environments.webshop.catalog import Goal, load_catalog
+from qevolve.environments.webshop.env import BUY_NOW, NEXT_PAGE, RESULTS_PER_PAGE, WebShopEnv
+
+
+def candidate_queries(env: WebShopEnv, goal: Goal) -> list[str]:
+    product = env.catalog.products[goal.asin]
+    instruction = (product.instruction or goal.instruction).lower()
+    queries = [instruction, goal.instruction.lower(), " ".join([product.query, *goal.attributes]).lower(),
+               product.title.lower()]
+    return list(dict.fromkeys(q.strip() for q in queries if q.strip()))
+
+
+def choose_query(env: WebShopEnv, goal: Goal) -> tuple[str, int]:
+    """(query, rank of the target in its results); rank -1 when no query finds the target."""
+    best: tuple[str, int] | None = None
+    for query in candidate_queries(env, goal):
+        ranked = [hit.doc_id for hit in env.index.search(query, env.top_k)]
+        if goal.asin in ranked:
+            rank = ranked.index(goal.asin)
+            if rank < RESULTS_PER_PAGE:
+                return query, rank
+            if best is None:
+                best = (query, rank)
+    return best if best is not None else (candidate_queries(env, goal)[0], -1)
+
+
+def _short(text: str, words: int = 8) -> str:
+    parts = text.split()
+    return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
+
+
+class OraclePolicy(EpisodePolicy):
+    """Search, open the target product, choose the goal's options, buy (privileged: knows the target)."""
+
+    source = "synthetic"
+
+    def __init__(self, turn_format: str = "thought_action"):
+        if turn_format not in TURN_FORMATS:
+            raise ValueError(f"turn_format {turn_format!r}: expected one of {TURN_FORMATS}")
+        self.turn_format = turn_format
+        self._plan: list[tuple[str, str]] = []  # (action, thought) still to do after the search
+        self._thought = ""
+
+    def start(self, env: WebShopEnv, task_id: str, observation: str) -> None:
+        goal = env.goal
+        product = env.catalog.products[goal.asin]
+        query, rank = choose_query(env, goal)
+        plan = [(f"search[{query}]", f"I need {_short(product.instruction or goal.instruction)}. "
+                                     f"Let me search for it.")]
+        if rank >= 0:
+            for page in range(rank // RESULTS_PER_PAGE):
+                plan.append((f"click[{NEXT_PAGE}]", f"Nothing on page {page + 1} fits the request. "
+                                                    "Let me look at the next page."))
+            plan.append((f"click[{goal.asin}]", f"{goal.asin} ({_short(product.title, 6)}) looks like "
+                                                "what the customer wants. Let me open it."))
+            for name, value in goal.options:
+                plan.append((f"click[{value}]", f"The request asks for {name} {value}, so I select it."))
+            plan.append((f"click[{BUY_NOW}]", "The product matches and the options are set. I will buy it."))
+        self._plan = plan
+
+    def act(self, env: WebShopEnv, observation: str) -> str | None:
+        if not self._plan:
+            return None
+        action, self._thought = self._plan.pop(0)
+        return action
+
+    def turn_text(self, action: str) -> str:
+        return format_turn(action, self._thought, self.turn_format)
+
+
+class FirstResultPolicy(EpisodePolicy):
+    """The naive baseline: search the goal text, buy the first result with no options chosen."""
+
+    source = "first_result"
+
+    def __init__(self) -> None:
+        self._step = 0
+
+    def start(self, env: WebShopEnv, task_id: str, observation: str) -> None:
+        self._step = 0
+
+    def act(self, env: WebShopEnv, observation: str) -> str | None:
+        self._step += 1
+        if self._step == 1:
+            return f"search[{env.goal.instruction.lower()}]"
+        if self._step == 2:
+            hits = env.session.results if env.session else []
+            return f"click[{hits[0]}]" if hits else None
+        if self._step == 3:
+            return f"click[{BUY_NOW}]"
+        return None
+
+
+def webshop_task_type(task_id: str) -> str:
+    """Goals grouped by their product's coarse category (beauty, electronics, ...)."""
+    from qevolve.environments.webshop.catalog import goal_index
+
+    catalog = load_catalog()
+    goal = catalog.goals[goal_index(task_id)]
+    return catalog.products[goal.asin].category or "other"
+
+
+def webshop_expert_jobs(split: str = "train", limit: int | None = None, turn_format: str = "thought_action",
+                        **env_kwargs):
+    """Oracle episode jobs over the goals of ``split`` (no goal is unusable: nothing is dropped)."""
+    env = WebShopEnv(split=split, **env_kwargs)
+    tasks = env.tasks(split)
+    if limit is not None:
+        tasks = tasks[:limit]
+    jobs = [EpisodeJob(task, OraclePolicy(turn_format), split=split) for task in tasks]
+    return jobs, []
