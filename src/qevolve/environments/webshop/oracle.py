@@ -7,13 +7,16 @@ episodes are labelled ``source = "synthetic"`` in the trajectory store. With the
 ``thought_action`` turn format each turn carries a short templated thought.
 
 The oracle picks its query offline (it may consult the search index like a person who knows what
-they want would rephrase): the first of these that brings the target onto the first results page,
-else the first that brings it into the top 50:
+they want would rephrase), among
 
 1. the goal's instruction without its option and price clauses,
 2. the whole goal text,
 3. the product's own search query and the goal attributes,
-4. the product title.
+4. the product title (a last resort),
+
+the first of 1-3 that shows the target on the first results page; else the one of 1-3 that shows it
+on the earliest page (the oracle then clicks Next >), when that still fits in the turn limit; else
+the title.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from qevolve.environments.webshop.env import BUY_NOW, NEXT_PAGE, RESULTS_PER_PAG
 
 
 def candidate_queries(env: WebShopEnv, goal: Goal) -> list[str]:
+    """Queries derived from the goal, in order of preference; the product title comes last."""
     product = env.catalog.products[goal.asin]
     instruction = (product.instruction or goal.instruction).lower()
     queries = [instruction, goal.instruction.lower(), " ".join([product.query, *goal.attributes]).lower(),
@@ -33,17 +37,41 @@ def candidate_queries(env: WebShopEnv, goal: Goal) -> list[str]:
 
 
 def choose_query(env: WebShopEnv, goal: Goal) -> tuple[str, int]:
-    """(query, rank of the target in its results); rank -1 when no query finds the target."""
-    best: tuple[str, int] | None = None
-    for query in candidate_queries(env, goal):
+    """(query, rank of the target in its results); rank -1 when no query finds the target.
+
+    A goal-derived query that shows the target on the first page wins; else the one that shows it
+    on the earliest page, if the paging still fits in the turn limit; the title only as a last resort.
+    """
+    # search + next pages + open + one click per option + buy must fit in the episode
+    max_pages = env.max_turns() - 3 - len(goal.options)
+    candidates = candidate_queries(env, goal)
+    found: list[tuple[int, int, str, int]] = []  # (page, candidate order, query, rank)
+    for order, query in enumerate(candidates):
         ranked = [hit.doc_id for hit in env.index.search(query, env.top_k)]
         if goal.asin in ranked:
             rank = ranked.index(goal.asin)
-            if rank < RESULTS_PER_PAGE:
+            if rank < RESULTS_PER_PAGE and order < len(candidates) - 1:
                 return query, rank
-            if best is None:
-                best = (query, rank)
-    return best if best is not None else (candidate_queries(env, goal)[0], -1)
+            found.append((rank // RESULTS_PER_PAGE, order, query, rank))
+    derived = [f for f in found if f[1] < len(candidates) - 1 and f[0] <= max_pages]
+    title = [f for f in found if f[1] == len(candidates) - 1]
+    for options in (derived, title, found):
+        if options:
+            _, _, query, rank = min(options)
+            return query, rank
+    return candidates[0], -1
+
+
+_REQUEST_OPENINGS = ("find me ", "i am looking for ", "i'm looking for ", "i need ", "i want ", "looking for ")
+
+
+def _wanted_item(instruction: str) -> str:
+    """"Find me machine wash men's dress shirts ..." -> "machine wash men's dress shirts ..."."""
+    text = instruction.strip()
+    for opening in _REQUEST_OPENINGS:
+        if text.lower().startswith(opening):
+            return text[len(opening):]
+    return text
 
 
 def _short(text: str, words: int = 8) -> str:
@@ -67,8 +95,8 @@ class OraclePolicy(EpisodePolicy):
         goal = env.goal
         product = env.catalog.products[goal.asin]
         query, rank = choose_query(env, goal)
-        plan = [(f"search[{query}]", f"I need {_short(product.instruction or goal.instruction)}. "
-                                     f"Let me search for it.")]
+        plan = [(f"search[{query}]", f"I am looking for {_short(_wanted_item(product.instruction or goal.instruction))}. "
+                                     "Let me search for it.")]
         if rank >= 0:
             for page in range(rank // RESULTS_PER_PAGE):
                 plan.append((f"click[{NEXT_PAGE}]", f"Nothing on page {page + 1} fits the request. "
