@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qevolve.data.install import dataset_dir, is_installed
+from qevolve.data.install import dataset_dir, install, is_installed
 from qevolve.environments import make_environment
 from qevolve.environments.pool import EnvPool, EpisodeJob, play_episode
 from qevolve.environments.turn_format import parse_turn
@@ -24,12 +24,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 @pytest.fixture(scope="module")
 def data_root() -> Path:
-    shared = shared_data_dir()
-    if shared is not None and (shared / "webshop" / "items_shuffle_1000.json").is_file():
-        return shared / "webshop"
-    if is_installed("webshop"):
-        return dataset_dir("webshop")
-    pytest.skip("WebShop data missing: needs ../shared/data/webshop or `qevolve data install webshop`")
+    """The real WebShop data, installed from ../shared/data into the data directory once."""
+    if not is_installed("webshop"):
+        if shared_data_dir() is None:
+            pytest.fail("WebShop data is not installed and ../shared/data is missing: run `qevolve data install webshop`")
+        install(["webshop"])
+    return dataset_dir("webshop")
 
 
 @pytest.fixture()
