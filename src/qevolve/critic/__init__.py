@@ -1,0 +1,8 @@
+"""The in-distribution critic: weighted implicit Q-learning on an LM backbone (method section 4).
+
+- ``config``: :class:`CriticConfig` (``configs/critic.yaml``)
+- ``data``: trajectories as token sequences with per-turn rewards, weights and read positions
+- ``model``: backbone + V/Q heads + Polyak target Q; one forward pass per trajectory
+- ``iql``: the expectile V loss and the weighted TD Q loss
+- ``train``: resumable training (``qevolve critic``), ``load_critic``, ``predict_values``
+"""

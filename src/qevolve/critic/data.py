@@ -1,0 +1,157 @@
+"""The critic's view of a buffer: one token sequence per trajectory with per-turn arrays.
+
+Each trajectory becomes a :class:`CriticSample`: its token ids (from the store, never re-tokenised),
+the positions where V(s_t) and Q(s_t, a_t) are read, and per-turn rewards, done flags, transition
+weights and Monte-Carlo returns. Batches group whole trajectories (V(s_{t+1}) of a turn comes from
+the same forward pass) under a budget in tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qevolve.buffer.store import Episode
+from qevolve.buffer.tokenized import tokenized_from_episode
+from qevolve.critic.config import WeightingConfig
+from qevolve.process_rewards.retrospective import RetrospectiveConfig, aux_rewards
+
+__all__ = ["CriticSample", "build_samples", "transition_weights", "monte_carlo_returns", "token_budget_batches",
+           "buffer_fingerprint", "ensure_tokenized"]
+
+
+@dataclass
+class CriticSample:
+    """One trajectory, ready for the critic."""
+
+    episode_index: int
+    episode_id: str
+    input_ids: torch.Tensor  # [L] long
+    value_positions: torch.Tensor  # [T] long: the last token before turn t's action
+    q_positions: torch.Tensor  # [T] long: the last token of turn t's action
+    env_rewards: torch.Tensor  # [T] float: r_env after turn t
+    aux_rewards: torch.Tensor  # [T] float: r_aux of turn t
+    dones: torch.Tensor  # [T] bool
+    weights: torch.Tensor  # [T] float: w_t
+    mc_returns: torch.Tensor  # [T] float: discounted sum of r_env + r_aux from t to the end (no bootstrap)
+    success: bool  # d: the last turn's r_env is non-zero
+
+    @property
+    def num_turns(self) -> int:
+        return int(self.value_positions.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """The critic's reward r_env + r_aux."""
+        return self.env_rewards + self.aux_rewards
+
+
+def transition_weights(num_turns: int, success: bool, config: WeightingConfig) -> torch.Tensor:
+    """w_t = 0.5 * (t/T + d) + 0.5 (t 0-based, T = num_turns, d = success); plain IQL: w_t = 1.
+
+    A switched-off term is dropped from the sum (temporal off: w_t = 0.5 d + 0.5).
+    """
+    if config.scheme == "plain":
+        return torch.ones(num_turns)
+    t = torch.arange(num_turns, dtype=torch.float32)
+    temporal = t / num_turns if config.temporal else torch.zeros(num_turns)
+    d = float(success) if config.success else 0.0
+    return 0.5 * (temporal + d) + 0.5
+
+
+def monte_carlo_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, G after the last turn = 0."""
+    returns = torch.zeros_like(rewards, dtype=torch.float32)
+    running = 0.0
+    for t in range(rewards.numel() - 1, -1, -1):
+        running = float(rewards[t]) + gamma * running
+        returns[t] = running
+    return returns
+
+
+def build_samples(episodes: list[Episode], retrospective: RetrospectiveConfig, weighting: WeightingConfig,
+                  gamma: float, max_sequence_tokens: int | None = None) -> list[CriticSample]:
+    """One :class:`CriticSample` per episode; ``r_aux`` is computed from ``retrospective``."""
+    samples = []
+    for index, episode in enumerate(episodes):
+        if not episode.turns:
+            raise ValueError(f"episode {episode.episode_id!r} has no turns")
+        tokenized = tokenized_from_episode(episode)
+        if max_sequence_tokens is not None and len(tokenized.input_ids) > max_sequence_tokens:
+            raise ValueError(f"episode {episode.episode_id!r}: {len(tokenized.input_ids)} tokens, more than "
+                             f"max_sequence_tokens={max_sequence_tokens}")
+        for t, (start, end) in enumerate(tokenized.action_spans):
+            if end <= start:
+                raise ValueError(f"episode {episode.episode_id!r} turn {t}: empty action_ids (Q reads its last token)")
+        env_rewards = torch.tensor([turn.reward for turn in episode.turns], dtype=torch.float32)
+        aux = torch.tensor(aux_rewards(episode, retrospective), dtype=torch.float32)
+        success = bool(episode.turns[-1].reward != 0)
+        samples.append(CriticSample(
+            episode_index=index,
+            episode_id=episode.episode_id,
+            input_ids=torch.tensor(tokenized.input_ids, dtype=torch.long),
+            value_positions=torch.tensor(tokenized.value_positions, dtype=torch.long),
+            q_positions=torch.tensor(tokenized.q_positions, dtype=torch.long),
+            env_rewards=env_rewards,
+            aux_rewards=aux,
+            dones=torch.tensor([turn.done for turn in episode.turns], dtype=torch.bool),
+            weights=transition_weights(episode.num_turns, success, weighting),
+            mc_returns=monte_carlo_returns(env_rewards + aux, gamma),
+            success=success,
+        ))
+    return samples
+
+
+def token_budget_batches(samples: list[CriticSample], order: list[int], batch_tokens: int) -> list[list[int]]:
+    """Cut ``order`` into consecutive batches whose padded size (rows x longest) stays within ``batch_tokens``."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in order:
+        length = samples[index].num_tokens
+        if current and max(longest, length) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(index)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def buffer_fingerprint(samples: list[CriticSample]) -> str:
+    """A hash of everything the critic trains on: tokens, read positions, rewards, dones, weights."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        for tensor in (sample.input_ids, sample.value_positions, sample.q_positions, sample.env_rewards,
+                       sample.aux_rewards, sample.dones, sample.weights):
+            digest.update(tensor.numpy().tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+def ensure_tokenized(episodes: list[Episode], model_path: str | Path, source: str = "buffer") -> list[Episode]:
+    """Fill missing ``context_ids``/``action_ids`` with the policy's tokeniser, or explain why it cannot."""
+    missing = [ep for ep in episodes if any(t.context_ids is None or t.action_ids is None for t in ep.turns)]
+    if not missing:
+        return episodes
+    try:
+        from qevolve.policy.prompts import tokenize_episode  # the policy's prompt builder (another module)
+    except ImportError:
+        raise ValueError(f"{source}: {len(missing)} episodes have no token ids and qevolve.policy.prompts."
+                         f"tokenize_episode is not available; tokenise the buffer first") from None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    for episode in missing:
+        result = tokenize_episode(episode, tokenizer)
+        if isinstance(result, Episode) and result is not episode:
+            episode.turns = result.turns
+    return episodes

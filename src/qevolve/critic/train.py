@@ -1,0 +1,297 @@
+"""Train the weighted-IQL critic on a buffer, resumably; load it back; predict V and Q per turn.
+
+Output folder of a run:
+
+- ``train_state.pt``  the resumable training state (written atomically every
+  ``checkpoint_every_steps`` steps and at the end of every epoch); a rerun with the same config
+  and buffer continues from it, mid-epoch included
+- ``metrics.jsonl``   one line per epoch: both losses, mean V on successful and failed
+  trajectories, explained variance of V against Monte-Carlo returns of r_env + r_aux
+- ``critic.pt``       the trained critic (config, heads, target heads, trained backbone weights)
+- ``config.yaml``     the config of the run
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from qevolve.buffer.store import Episode
+from qevolve.config import dump_config
+from qevolve.critic.checkpoint import atomic_torch_save
+from qevolve.critic.config import CriticConfig
+from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint, token_budget_batches
+from qevolve.critic.iql import iql_losses
+from qevolve.critic.model import (Critic, FeatureCache, build_critic, default_model_path, encode_batch,
+                                  extract_features, model_identity, resolve_device)
+
+__all__ = ["train_critic", "load_critic", "predict_values", "critic_samples", "explained_variance",
+           "CRITIC_FILE", "STATE_FILE", "METRICS_FILE"]
+
+CRITIC_FILE = "critic.pt"
+STATE_FILE = "train_state.pt"
+METRICS_FILE = "metrics.jsonl"
+FORMAT_VERSION = 1
+
+Features = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def init_path_of(config: CriticConfig) -> Path:
+    return Path(config.init).expanduser() if config.init else default_model_path()
+
+
+def critic_samples(episodes: list[Episode], config: CriticConfig) -> list[CriticSample]:
+    return build_samples(episodes, config.retrospective, config.iql.weighting, config.iql.gamma,
+                         config.max_sequence_tokens)
+
+
+def explained_variance(predicted: np.ndarray, target: np.ndarray) -> float:
+    """1 - Var(target - predicted) / Var(target); nan when the target is constant."""
+    variance = float(np.var(target))
+    return float("nan") if variance == 0 else 1.0 - float(np.var(target - predicted)) / variance
+
+
+def frozen_features(critic: Critic, samples: list[CriticSample], config: CriticConfig, init_path: Path,
+                    device: torch.device, progress: bool) -> Features:
+    """The frozen backbone's hidden states of every sample, from the disk cache when possible."""
+    cache = FeatureCache(config.feature_cache_dir) if config.feature_cache else None
+    key = FeatureCache.key(model_identity(init_path), critic.compute_dtype, samples) if cache else ""
+    if cache is not None:
+        cached = cache.load(key)
+        if cached is not None and len(cached) == len(samples):
+            return cached
+    features = extract_features(critic.backbone, samples, config.batch_tokens, device, critic.compute_dtype,
+                                progress=progress)
+    if cache is not None:
+        cache.save(key, features)
+    return features
+
+
+def _batch_features(critic: Critic, batch: list[CriticSample], indices: list[int], features: Features | None,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if features is not None:
+        return (torch.cat([features[i][0] for i in indices]).to(device),
+                torch.cat([features[i][1] for i in indices]).to(device))
+    return encode_batch(critic.backbone, batch, device, critic.compute_dtype)
+
+
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def _new_accumulator() -> dict[str, Any]:
+    return {"loss_v": 0.0, "loss_q": 0.0, "batches": 0, "values": [], "returns": [], "success": [], "seconds": 0.0}
+
+
+def _epoch_metrics(epoch: int, acc: dict[str, Any], global_step: int) -> dict[str, Any]:
+    values = np.concatenate(acc["values"]) if acc["values"] else np.zeros(0)
+    returns = np.concatenate(acc["returns"]) if acc["returns"] else np.zeros(0)
+    success = np.concatenate(acc["success"]) if acc["success"] else np.zeros(0, dtype=bool)
+    batches = max(acc["batches"], 1)
+    return {
+        "epoch": epoch + 1,
+        "steps": global_step,
+        "loss_v": acc["loss_v"] / batches,
+        "loss_q": acc["loss_q"] / batches,
+        # V as the heads saw it during the epoch's own steps (no extra pass)
+        "v_success": float(values[success].mean()) if success.any() else float("nan"),
+        "v_failure": float(values[~success].mean()) if (~success).any() else float("nan"),
+        "explained_variance": explained_variance(values, returns) if values.size else float("nan"),
+        "seconds": acc["seconds"],
+    }
+
+
+def _write_metrics(folder: Path, history: list[dict[str, Any]]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{METRICS_FILE}.", dir=folder)
+    with os.fdopen(fd, "w") as handle:
+        for row in history:
+            handle.write(json.dumps(row) + "\n")
+    os.replace(tmp, folder / METRICS_FILE)
+
+
+def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprint: str) -> str | None:
+    """Why ``state`` cannot be resumed with this config and buffer (None when it can)."""
+    if state.get("format") != FORMAT_VERSION:
+        return f"state format {state.get('format')}, expected {FORMAT_VERSION}"
+    saved = dict(state["config"])
+    current = config.model_dump(mode="json")
+    for name in ("epochs", "checkpoint_every_steps"):  # may change between attempts (e.g. to extend training)
+        saved.pop(name, None)
+        current.pop(name, None)
+    if saved != current:
+        changed = sorted(k for k in current if saved.get(k) != current.get(k))
+        return f"config differs in {changed}"
+    if state["init"] != init:
+        return f"backbone init differs ({state['init']} vs {init})"
+    if state["fingerprint"] != fingerprint:
+        return "the buffer differs (tokens, rewards or weights)"
+    return None
+
+
+def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str | Path, *, restart: bool = False,
+                 progress: bool = True, log: Callable[[str], None] | None = None,
+                 stop_after_steps: int | None = None) -> dict[str, Any]:
+    """Weighted IQL on ``episodes``; resumes from ``output_dir/train_state.pt`` unless ``restart``.
+
+    ``stop_after_steps`` ends the call after that many optimiser steps in total (the state is saved),
+    which is how an interruption is simulated. Returns a summary with the per-epoch ``history``.
+    """
+    log = log or (lambda message: None)
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(config.device)
+    init_path = init_path_of(config)
+    samples = critic_samples(episodes, config)
+    if not samples:
+        raise ValueError("critic: the buffer holds no episodes")
+    fingerprint = buffer_fingerprint(samples)
+    (output / "config.yaml").write_text(dump_config(config))
+
+    critic = build_critic(config, init_path, device)
+    head_params = list(critic.heads.parameters())
+    backbone_params = [p for p in critic.backbone.parameters() if p.requires_grad] if config.backbone != "frozen" else []
+    groups = [{"params": head_params, "lr": config.lr}]
+    if backbone_params:
+        groups.append({"params": backbone_params, "lr": config.backbone_lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+
+    epoch, batch_done, global_step, history, acc = 0, 0, 0, [], _new_accumulator()
+    state_path = output / STATE_FILE
+    if state_path.is_file() and not restart:
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        reason = _same_run(state, config, str(init_path), fingerprint)
+        if reason:
+            raise ValueError(f"{state_path}: cannot resume ({reason}); use another output folder or restart")
+        critic.heads.load_state_dict(state["heads"])
+        critic.target_q.load_state_dict(state["target_q"])
+        if state["backbone"]:
+            critic.backbone.load_state_dict(state["backbone"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        epoch, batch_done, global_step = state["epoch"], state["batch"], state["global_step"]
+        history, acc = state["history"], state["accumulator"]
+        log(f"resuming at epoch {epoch + 1}, batch {batch_done}, step {global_step}")
+
+    def save_state() -> None:
+        atomic_torch_save({
+            "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
+            "fingerprint": fingerprint, "epoch": epoch, "batch": batch_done, "global_step": global_step,
+            "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
+            "backbone": critic.trainable_backbone_state(), "optimizer": optimizer.state_dict(),
+            "rng": torch.get_rng_state(), "history": history, "accumulator": acc,
+        }, state_path)
+
+    features = frozen_features(critic, samples, config, init_path, device, progress) \
+        if config.backbone == "frozen" else None
+    iql = config.iql
+    while epoch < config.epochs:
+        batches = token_budget_batches(samples, _epoch_order(len(samples), config.seed, epoch), config.batch_tokens)
+        if config.backbone != "frozen":
+            critic.backbone.train()
+        bar = tqdm(total=len(batches), initial=batch_done, desc=f"critic epoch {epoch + 1}/{config.epochs}",
+                   unit="batch", disable=not progress)
+        while batch_done < len(batches):
+            started = time.perf_counter()
+            indices = batches[batch_done]
+            batch = [samples[i] for i in indices]
+            v_features, q_features = _batch_features(critic, batch, indices, features, device)
+            values = critic.heads.value(v_features)
+            q_values = critic.heads.q_values(q_features)
+            with torch.no_grad():
+                target_q = critic.target_q_min(q_features.detach())
+            losses = iql_losses(values, q_values, target_q, batch, iql.expectile, iql.gamma, iql.truncated_bootstrap)
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip)
+            optimizer.step()
+            critic.update_target(iql.polyak)
+
+            acc["loss_v"] += float(losses["loss_v"])
+            acc["loss_q"] += float(losses["loss_q"])
+            acc["batches"] += 1
+            acc["values"].append(values.detach().cpu().numpy())
+            acc["returns"].append(torch.cat([s.mc_returns for s in batch]).numpy())
+            acc["success"].append(np.concatenate([np.full(s.num_turns, s.success) for s in batch]))
+            acc["seconds"] += time.perf_counter() - started
+            batch_done += 1
+            global_step += 1
+            bar.update(1)
+            bar.set_postfix(loss_v=f"{float(losses['loss_v']):.4f}", loss_q=f"{float(losses['loss_q']):.4f}")
+            if global_step % config.checkpoint_every_steps == 0:
+                save_state()
+            if stop_after_steps is not None and global_step >= stop_after_steps:
+                bar.close()
+                save_state()
+                return {"finished": False, "global_step": global_step, "history": history, "output": str(output)}
+        bar.close()
+        metrics = _epoch_metrics(epoch, acc, global_step)
+        history.append(metrics)
+        _write_metrics(output, history)
+        log("epoch {epoch}: loss_v {loss_v:.4f} loss_q {loss_q:.4f} V(success) {v_success:.3f} "
+            "V(failure) {v_failure:.3f} explained variance {explained_variance:.3f}".format(**metrics))
+        epoch, batch_done, acc = epoch + 1, 0, _new_accumulator()
+        save_state()
+
+    atomic_torch_save({
+        "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
+        "fingerprint": fingerprint, "hidden_size": critic.heads.v[0].in_features,
+        "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
+        "backbone": critic.trainable_backbone_state(), "history": history,
+    }, output / CRITIC_FILE)
+    return {"finished": True, "global_step": global_step, "history": history, "output": str(output),
+            "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
+
+
+def load_critic(folder: str | Path, device: str | None = None) -> Critic:
+    """Rebuild a trained critic from ``folder/critic.pt`` (its backbone from the recorded init folder)."""
+    path = Path(folder)
+    path = path / CRITIC_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no trained critic (run `qevolve critic` to completion first)")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if saved.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: critic format {saved.get('format')}, expected {FORMAT_VERSION}")
+    config = CriticConfig.model_validate(saved["config"])
+    if device is not None:
+        config.device = device
+    critic = build_critic(config, saved["init"], resolve_device(config.device))
+    critic.heads.load_state_dict(saved["heads"])
+    critic.target_q.load_state_dict(saved["target_q"])
+    if saved["backbone"]:
+        critic.backbone.load_state_dict(saved["backbone"], strict=False)
+    critic.init_path = saved["init"]  # type: ignore[attr-defined]
+    return critic.eval()
+
+
+@torch.inference_mode()
+def predict_values(critic: Critic, samples: list[CriticSample], progress: bool = True,
+                   batch_tokens: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(V(s_t), Qbar(s_t, a_t)) of every turn of every sample, float64 arrays.
+
+    Q is the minimum over the target Q heads, the quantity V was fitted to (as in IQL's policy
+    extraction).
+    """
+    config = critic.config
+    device = next(critic.heads.parameters()).device
+    critic.eval()
+    init_path = Path(getattr(critic, "init_path", None) or init_path_of(config))
+    if config.backbone == "frozen":
+        features = frozen_features(critic, samples, config, init_path, device, progress)
+    else:
+        features = extract_features(critic.backbone, samples, batch_tokens or config.batch_tokens, device,
+                                    critic.compute_dtype, progress=progress)
+    results = []
+    for v_features, q_features in features:
+        values = critic.heads.value(v_features.to(device)).double().cpu().numpy()
+        q_values = critic.target_q_min(q_features.to(device)).double().cpu().numpy()
+        results.append((values, q_values))
+    return results

@@ -1,0 +1,77 @@
+"""Retrospective reward labelling (method section 3): ``r_aux`` from the observation that followed.
+
+A rule looks only at what the agent could see: whether its turn parsed (``Turn.format_valid``),
+whether the environment accepted the action (``Turn.action_valid``, e.g. ALFWorld's "Nothing
+happens."), and whether the next observation ``o_{t+1}`` repeats ``o_t``. The cases are exclusive
+and checked from the most to the least severe, so a turn gets at most one penalty:
+
+    format error  >  invalid action  >  repeated observation  >  otherwise 0
+
+``r_aux`` shapes the critic's reward (``r_env + r_aux``) but, by default, not the policy's
+advantage (section 5).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from qevolve.buffer.store import Episode
+from qevolve.config import StageConfig
+
+__all__ = ["AuxPenalties", "RetrospectiveConfig", "aux_rewards", "label_retrospective"]
+
+
+class AuxPenalties(StageConfig):
+    """The penalties of one environment (the paper's table in method.md section 3)."""
+
+    format_error: float = Field(-0.3, description="r_aux when the turn did not parse into an action")
+    invalid_action: float = Field(-0.2, description="r_aux when the environment rejected the action")
+    repeat: float = Field(-0.1, description="r_aux when the next observation equals the current one")
+
+
+def _default_penalties() -> dict[str, AuxPenalties]:
+    return {
+        "alfworld": AuxPenalties(format_error=-0.3, invalid_action=-0.2, repeat=-0.1),
+        "sciworld": AuxPenalties(format_error=-0.3, invalid_action=-0.2, repeat=-0.1),
+        "webshop": AuxPenalties(format_error=-0.3, invalid_action=0.0, repeat=0.0),
+    }
+
+
+class RetrospectiveConfig(StageConfig):
+    enabled: bool = Field(True, description="false: r_aux = 0 on every turn (the 'without RR' ablation)")
+    penalties: dict[str, AuxPenalties] = Field(
+        default_factory=_default_penalties,
+        description="per-environment penalties, keyed by Episode.env (alfworld, sciworld, webshop, ...)")
+
+
+def _penalties_for(env: str, config: RetrospectiveConfig) -> AuxPenalties:
+    if env not in config.penalties:
+        raise ValueError(f"retrospective.penalties: no entry for environment {env!r} "
+                         f"(have {sorted(config.penalties)}); add one to the config")
+    return config.penalties[env]
+
+
+def aux_rewards(episode: Episode, config: RetrospectiveConfig) -> list[float]:
+    """``r_aux`` of every turn of ``episode``: one rule on (turn flags, o_t, o_{t+1})."""
+    if not config.enabled:
+        return [0.0] * episode.num_turns
+    penalties = _penalties_for(episode.env, config)
+    labels = []
+    for t, turn in enumerate(episode.turns):
+        if not turn.format_valid:
+            labels.append(penalties.format_error)
+        elif not turn.action_valid:
+            labels.append(penalties.invalid_action)
+        elif episode.next_observation(t).strip() == turn.observation.strip():  # o_{t+1} == o_t
+            labels.append(penalties.repeat)
+        else:
+            labels.append(0.0)
+    return labels
+
+
+def label_retrospective(episodes: list[Episode], config: RetrospectiveConfig) -> list[Episode]:
+    """Set ``Turn.r_aux`` on every turn (in place) and return the episodes."""
+    for episode in episodes:
+        for turn, r_aux in zip(episode.turns, aux_rewards(episode, config)):
+            turn.r_aux = float(r_aux)
+    return episodes

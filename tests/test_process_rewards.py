@@ -1,0 +1,177 @@
+"""Retrospective r_aux labels and the advantage estimators (against hand values and a plain loop)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from qevolve.buffer.store import Episode, Turn
+from qevolve.process_rewards.advantages import (TrajectoryValues, advantage_estimators, gae,
+                                                get_advantage_estimator, standardize)
+from qevolve.process_rewards.label import LabelConfig
+from qevolve.process_rewards.retrospective import AuxPenalties, RetrospectiveConfig, aux_rewards, label_retrospective
+from qevolve.config import ConfigError, load_config
+
+
+# ------------------------------------------------------------------------------------ retrospective
+
+
+def _episode(env: str, turns: list[tuple[str, bool, bool]], final: str) -> Episode:
+    return Episode(episode_id="e", task_id="t", env=env, split="train", source="self", final_observation=final,
+                   turns=[Turn(observation=o, agent_text="x", action=None if not f else "a",
+                               format_valid=f, action_valid=v) for o, f, v in turns])
+
+
+def test_retrospective_cases_and_priority_alfworld():
+    episode = _episode("alfworld", [
+        ("start", True, True),          # -> "room": changes, valid: 0
+        ("room", True, False),          # invalid action -> "Nothing happens.": -0.2
+        ("Nothing happens.", False, False),  # format error (also invalid and repeat): -0.3 wins
+        ("Nothing happens.", True, True),    # valid, next obs equals this one: repeat -0.1
+        ("Nothing happens. ", True, True),   # the final observation differs: 0
+    ], final="You win.")
+    assert aux_rewards(episode, RetrospectiveConfig()) == [0.0, -0.2, -0.3, -0.1, 0.0]
+
+
+def test_retrospective_webshop_values_and_switch_off():
+    episode = _episode("webshop", [("a", True, False), ("a", False, True), ("b", True, True)], final="b")
+    assert aux_rewards(episode, RetrospectiveConfig()) == [0.0, -0.3, 0.0]
+    assert aux_rewards(episode, RetrospectiveConfig(enabled=False)) == [0.0, 0.0, 0.0]
+    sciworld = _episode("sciworld", [("a", True, False), ("b", True, True)], final="b")
+    assert aux_rewards(sciworld, RetrospectiveConfig()) == [-0.2, -0.1]
+    custom = RetrospectiveConfig(penalties={"sciworld": AuxPenalties(format_error=-1.0, invalid_action=-0.5, repeat=0)})
+    assert aux_rewards(sciworld, custom) == [-0.5, 0.0]
+    labelled = label_retrospective([sciworld], RetrospectiveConfig())
+    assert [t.r_aux for t in labelled[0].turns] == [-0.2, -0.1]
+
+
+def test_retrospective_unknown_env_is_a_named_error():
+    with pytest.raises(ValueError, match="no entry for environment 'babyai'"):
+        aux_rewards(_episode("babyai", [("a", True, True)], final="b"), RetrospectiveConfig())
+
+
+def test_retrospective_config_from_yaml_overrides(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("enabled: true\npenalties:\n  alfworld: {format_error: -1.0}\n")
+    config = load_config(RetrospectiveConfig, path, ["penalties.alfworld.repeat=-0.05"])
+    assert config.penalties["alfworld"].format_error == -1.0
+    assert config.penalties["alfworld"].repeat == -0.05
+    assert config.penalties["alfworld"].invalid_action == -0.2
+    with pytest.raises(ConfigError, match="penalties.alfworld.typo"):
+        load_config(RetrospectiveConfig, None, ["penalties.alfworld.typo=1"])
+
+
+# ------------------------------------------------------------------------------------ advantages
+
+
+def test_gae_hand_computed_done_and_truncated():
+    values = np.array([0.5, 0.6, 0.8])
+    done = TrajectoryValues(np.array([0.0, 0.0, 1.0]), np.zeros(3), values, np.zeros(3), np.array([False, False, True]),
+                            bootstrap_value=123.0)  # ignored: the last turn is done
+    # delta = [0.9*0.6-0.5, 0.9*0.8-0.6, 1-0.8] = [0.04, 0.12, 0.2]; A_t = delta_t + 0.45 A_{t+1}
+    np.testing.assert_allclose(get_advantage_estimator("gae_env")(done, 0.9, 0.5), [0.1345, 0.21, 0.2])
+    truncated = TrajectoryValues(np.zeros(3), np.zeros(3), values, np.zeros(3), np.zeros(3, dtype=bool),
+                                 bootstrap_value=0.7)
+    # last delta = 0 + 0.9*0.7 - 0.8 = -0.17; A1 = 0.12 + 0.45*-0.17 = 0.0435; A0 = 0.04 + 0.45*0.0435
+    np.testing.assert_allclose(get_advantage_estimator("gae_env")(truncated, 0.9, 0.5),
+                               [0.04 + 0.45 * 0.0435, 0.0435, -0.17])
+    np.testing.assert_allclose(get_advantage_estimator("td1")(truncated, 0.9, 0.5), [0.04, 0.12, -0.17])
+
+
+def test_gae_length_one():
+    one = TrajectoryValues(np.array([1.0]), np.array([-0.3]), np.array([0.25]), np.array([0.9]), np.array([True]))
+    assert get_advantage_estimator("gae_env")(one, 0.99, 0.95) == pytest.approx([0.75])
+    assert get_advantage_estimator("gae_env_aux")(one, 0.99, 0.95) == pytest.approx([0.45])
+    assert get_advantage_estimator("q_minus_v")(one, 0.99, 0.95) == pytest.approx([0.65])
+    cut = TrajectoryValues(np.array([0.0]), np.array([0.0]), np.array([0.25]), np.array([0.0]), np.array([False]),
+                           bootstrap_value=0.5)
+    assert get_advantage_estimator("gae_env")(cut, 0.5, 0.95) == pytest.approx([0.0])
+
+
+def _plain_loop_advantages(trajectories, gamma, lam, use_aux):
+    """CleanRL-style: one flat stream of steps, walked backwards, episode boundaries by flags."""
+    rewards, values, dones, last_of_episode, bootstrap = [], [], [], [], []
+    for traj in trajectories:
+        for t in range(len(traj.values)):
+            rewards.append(traj.env_rewards[t] + (traj.aux_rewards[t] if use_aux else 0.0))
+            values.append(traj.values[t])
+            dones.append(bool(traj.dones[t]))
+            last_of_episode.append(t == len(traj.values) - 1)
+            bootstrap.append(traj.bootstrap_value)
+    advantages = [0.0] * len(rewards)
+    lastgaelam = 0.0
+    for i in reversed(range(len(rewards))):
+        nextnonterminal = 0.0 if dones[i] else 1.0
+        if last_of_episode[i]:
+            nextvalues = bootstrap[i]
+            lastgaelam = 0.0  # no advantage flows in from the next episode
+        else:
+            nextvalues = values[i + 1]
+        delta = rewards[i] + gamma * nextvalues * nextnonterminal - values[i]
+        lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+        advantages[i] = lastgaelam
+    return advantages
+
+
+def _random_trajectories(rng: random.Random, count: int) -> list[TrajectoryValues]:
+    out = []
+    for _ in range(count):
+        length = rng.choice([1, 1, 2, 3, 7, 30])
+        done = rng.random() < 0.5
+        env = [0.0] * length
+        if done:
+            env[-1] = rng.choice([0.0, 1.0, 0.37])
+        out.append(TrajectoryValues(
+            env_rewards=np.array(env), aux_rewards=np.array([rng.choice([0, -0.1, -0.2, -0.3]) for _ in range(length)]),
+            values=np.array([rng.uniform(-1, 1) for _ in range(length)]),
+            q_values=np.array([rng.uniform(-1, 1) for _ in range(length)]),
+            dones=np.array([False] * (length - 1) + [done]), bootstrap_value=rng.uniform(-1, 1)))
+    return out
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.9, 0.0), (1.0, 1.0), (0.5, 0.7)])
+def test_estimators_match_plain_loop_on_random_trajectories(gamma, lam):
+    trajectories = _random_trajectories(random.Random(7), 40)
+    assert any(len(t.values) == 1 for t in trajectories) and any(not t.dones[-1] for t in trajectories)
+    for name, use_aux, lam_used in [("gae_env", False, lam), ("gae_env_aux", True, lam), ("td1", False, 0.0)]:
+        fn = get_advantage_estimator(name)
+        ours = np.concatenate([fn(t, gamma, lam) for t in trajectories])
+        np.testing.assert_allclose(ours, _plain_loop_advantages(trajectories, gamma, lam_used, use_aux),
+                                   rtol=1e-12, atol=1e-12)
+    ours = np.concatenate([get_advantage_estimator("q_minus_v")(t, gamma, lam) for t in trajectories])
+    np.testing.assert_allclose(ours, np.concatenate([t.q_values - t.values for t in trajectories]))
+
+
+def test_gae_lambda_one_is_monte_carlo_minus_value():
+    rng = np.random.default_rng(0)
+    rewards, values = rng.normal(size=6), rng.normal(size=6)
+    dones = np.array([False] * 5 + [True])
+    next_values = np.append(values[1:], 0.0)
+    returns = [sum(0.9 ** k * rewards[t + k] for k in range(6 - t)) for t in range(6)]
+    np.testing.assert_allclose(gae(rewards, values, next_values, dones, 0.9, 1.0), np.array(returns) - values)
+
+
+def test_registry_and_standardize():
+    assert advantage_estimators() == ["gae_env", "gae_env_aux", "q_minus_v", "td1"]
+    with pytest.raises(ValueError, match="advantage estimator 'gae'"):
+        get_advantage_estimator("gae")
+    out = standardize([np.array([1.0, 2.0]), np.array([3.0])])
+    flat = np.concatenate(out)
+    assert flat.mean() == pytest.approx(0.0, abs=1e-12) and flat.std() == pytest.approx(1.0, rel=1e-6)
+    assert out[0][0] == pytest.approx(-math.sqrt(1.5))
+
+
+def test_label_config_validates_estimator_name():
+    assert LabelConfig().estimator == "gae_env"
+    with pytest.raises(ConfigError, match="estimator"):
+        load_config(LabelConfig, None, ["estimator=gea_env"])
+    with pytest.raises(ConfigError, match="truncated_bootstrap"):
+        load_config(LabelConfig, None, ["truncated_bootstrap=one"])
+
+
+def test_trajectory_values_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="share one non-zero length"):
+        TrajectoryValues(np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2), np.zeros(2, dtype=bool))
