@@ -9,7 +9,17 @@ import torch
 
 from qevolve.config import ConfigError, load_config
 from qevolve.policy.objectives import (ObjectiveConfig, compute_objective, gather_token_logprobs, kl_penalty,
+
                                        objective_names)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: thread hand-offs cost more than the maths (and the CPU is shared), so use one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _hand_batch():

@@ -154,6 +154,64 @@ def report(run: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
     typer.echo(f"wrote {build_report(run, max_episodes=max_episodes)}")
 
 
+# ------------------------------------------------------------------------------- critic / label
+
+
+@app.command("critic")
+def critic_command(
+    buffer: Path = typer.Option(..., "--buffer", help="trajectory store (Parquet file or sharded folder)"),
+    init: Optional[str] = typer.Option(None, "--init", help="backbone model folder (BC checkpoint or base model; "
+                                       "default: the config's init, else DATA_DIR/models/SmolLM2-135M-Instruct)"),
+    output: Path = typer.Option(Path("runs/critic"), help="run folder (critic.pt, metrics.jsonl, resumable state)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML config (defaults: configs/critic.yaml)"),
+    restart: bool = typer.Option(False, help="ignore a resumable state in the output folder"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE config overrides, e.g. epochs=5"),
+) -> None:
+    """Train the weighted-IQL critic on a buffer (resumes an interrupted run in the same output folder)."""
+    from qevolve.buffer.store import read_episodes
+    from qevolve.config import load_config
+    from qevolve.critic.config import CriticConfig
+    from qevolve.critic.data import ensure_tokenized
+    from qevolve.critic.train import init_path_of, train_critic
+
+    cfg = load_config(CriticConfig, config, list(overrides or []) + ([f"init={init}"] if init else []))
+    episodes = ensure_tokenized(read_episodes(buffer), init_path_of(cfg), source=str(buffer))
+    typer.echo(f"critic: {len(episodes)} episodes from {buffer}, backbone {cfg.backbone} ({init_path_of(cfg)}) "
+               f"-> {output}")
+    summary = train_critic(episodes, cfg, output, restart=restart, progress=progress, log=typer.echo)
+    columns = ["epoch", "loss_v", "loss_q", "v_success", "v_failure", "explained_variance", "seconds"]
+    print_table(summary["history"], columns)
+    typer.echo(f"wrote {output / 'critic.pt'}")
+
+
+@app.command("label")
+def label_command(
+    buffer: Path = typer.Option(..., "--buffer", help="trajectory store (Parquet file or sharded folder)"),
+    critic: Path = typer.Option(..., "--critic", help="a trained critic's run folder (or its critic.pt)"),
+    output: Optional[Path] = typer.Option(None, help="labelled Parquet file (default: BUFFER.labelled.parquet)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML config (defaults: configs/label.yaml)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE config overrides, e.g. estimator=td1"),
+) -> None:
+    """Write r_aux, V, Q and the process reward (advantage) on every turn of a buffer."""
+    from qevolve.buffer.store import read_episodes, read_metadata, write_episodes
+    from qevolve.config import load_config
+    from qevolve.critic.data import ensure_tokenized
+    from qevolve.critic.train import load_critic
+    from qevolve.process_rewards.label import LabelConfig, label_episodes
+
+    cfg = load_config(LabelConfig, config, list(overrides or []))
+    model = load_critic(critic, device=cfg.device)
+    episodes = ensure_tokenized(read_episodes(buffer), model.init_path, source=str(buffer))
+    labelled, summary = label_episodes(episodes, model, cfg, progress=progress)
+    output = output or buffer.with_name(buffer.name.removesuffix(".parquet") + ".labelled.parquet")
+    metadata = {**read_metadata(buffer), "labels": {"critic": str(critic), **cfg.model_dump(mode="json")}}
+    write_episodes(output, labelled, metadata)
+    print_table([summary])
+    typer.echo(f"wrote {len(labelled)} labelled episodes to {output}")
+
+
 def main() -> None:
     try:
         app()

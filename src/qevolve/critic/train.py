@@ -33,7 +33,7 @@ from qevolve.critic.iql import iql_losses
 from qevolve.critic.model import (Critic, FeatureCache, build_critic, default_model_path, encode_batch,
                                   extract_features, model_identity, resolve_device)
 
-__all__ = ["train_critic", "load_critic", "predict_values", "critic_samples", "explained_variance",
+__all__ = ["train_critic", "load_critic", "predict_values", "critic_samples", "explained_variance", "init_path_of",
            "CRITIC_FILE", "STATE_FILE", "METRICS_FILE"]
 
 CRITIC_FILE = "critic.pt"
@@ -215,8 +215,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             optimizer.step()
             critic.update_target(iql.polyak)
 
-            acc["loss_v"] += float(losses["loss_v"])
-            acc["loss_q"] += float(losses["loss_q"])
+            acc["loss_v"] += float(losses["loss_v"].detach())
+            acc["loss_q"] += float(losses["loss_q"].detach())
             acc["batches"] += 1
             acc["values"].append(values.detach().cpu().numpy())
             acc["returns"].append(torch.cat([s.mc_returns for s in batch]).numpy())
@@ -225,7 +225,7 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             batch_done += 1
             global_step += 1
             bar.update(1)
-            bar.set_postfix(loss_v=f"{float(losses['loss_v']):.4f}", loss_q=f"{float(losses['loss_q']):.4f}")
+            bar.set_postfix(loss_v=f"{acc['loss_v'] / acc['batches']:.4f}", loss_q=f"{acc['loss_q'] / acc['batches']:.4f}")
             if global_step % config.checkpoint_every_steps == 0:
                 save_state()
             if stop_after_steps is not None and global_step >= stop_after_steps:

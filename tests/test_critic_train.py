@@ -1,0 +1,161 @@
+"""Training the critic end to end on synthetic buffers with a tiny random Llama; labelling; the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qevolve.buffer.store import read_episodes, write_episodes
+from qevolve.critic.config import CriticConfig
+from qevolve.critic.testing import save_tiny_llama, synthetic_buffer
+from qevolve.critic.train import CRITIC_FILE, METRICS_FILE, STATE_FILE, critic_samples, load_critic, predict_values, train_critic
+from qevolve.process_rewards.label import LabelConfig, label_episodes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: thread hand-offs cost more than the maths (and the CPU is shared), so use one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def _config(tiny_folder, tmp_path, **changes) -> CriticConfig:
+    values = dict(init=str(tiny_folder), dtype="float32", device="cpu", epochs=3, batch_tokens=256, lr=3e-3,
+                  feature_cache_dir=str(tmp_path / "features"), checkpoint_every_steps=2, head_hidden=32)
+    values.update(changes)
+    return CriticConfig.model_validate(values)
+
+
+def test_frozen_critic_ranks_success_above_failure_on_held_out(tiny_folder, tmp_path):
+    train = synthetic_buffer(48, seed=1, min_turns=1, max_turns=5)
+    held_out = synthetic_buffer(16, seed=99, min_turns=1, max_turns=5)
+    config = _config(tiny_folder, tmp_path, epochs=40, iql={"polyak": 0.05}, checkpoint_every_steps=10_000)
+    summary = train_critic(train, config, tmp_path / "run", progress=False)
+    assert summary["finished"] and len(summary["history"]) == 40
+    history = summary["history"]
+    assert history[-1]["loss_q"] < history[0]["loss_q"]
+    assert history[-1]["v_success"] > history[-1]["v_failure"]
+
+    critic = load_critic(tmp_path / "run")
+    predictions = predict_values(critic, critic_samples(held_out, config), progress=False)
+    v_success = [v.mean() for (v, _), ep in zip(predictions, held_out) if ep.won]
+    v_failure = [v.mean() for (v, _), ep in zip(predictions, held_out) if not ep.won]
+    assert min(v_success) > max(v_failure), (v_success, v_failure)
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, 41))
+    assert {"loss_v", "loss_q", "v_success", "v_failure", "explained_variance"} <= set(rows[0])
+    assert rows[-1]["explained_variance"] > rows[0]["explained_variance"]
+
+
+def test_resumed_training_equals_uninterrupted(tiny_folder, tmp_path):
+    episodes = synthetic_buffer(12, seed=5)
+    config = _config(tiny_folder, tmp_path, epochs=3)
+    full = train_critic(episodes, config, tmp_path / "a", progress=False)
+    partial = train_critic(episodes, config, tmp_path / "b", progress=False, stop_after_steps=3)
+    assert not partial["finished"] and (tmp_path / "b" / STATE_FILE).is_file()
+    assert not (tmp_path / "b" / CRITIC_FILE).exists()
+    resumed = train_critic(episodes, config, tmp_path / "b", progress=False)
+    assert resumed["global_step"] == full["global_step"]
+    a = torch.load(tmp_path / "a" / CRITIC_FILE, weights_only=False)
+    b = torch.load(tmp_path / "b" / CRITIC_FILE, weights_only=False)
+    for key in ("heads", "target_q"):
+        for name, tensor in a[key].items():
+            torch.testing.assert_close(b[key][name], tensor, rtol=0, atol=0)
+    assert [r["loss_q"] for r in a["history"]] == pytest.approx([r["loss_q"] for r in b["history"]])
+
+    changed = _config(tiny_folder, tmp_path, epochs=3, lr=1e-3)
+    train_critic(episodes, config, tmp_path / "c", progress=False, stop_after_steps=1)
+    with pytest.raises(ValueError, match=r"cannot resume \(config differs in \['lr'\]\)"):
+        train_critic(episodes, changed, tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match="the buffer differs"):
+        train_critic(synthetic_buffer(12, seed=6), config, tmp_path / "c", progress=False)
+
+
+def test_lora_critic_trains_saves_and_reloads(tiny_folder, tmp_path):
+    episodes = synthetic_buffer(6, seed=2, max_turns=3)
+    config = _config(tiny_folder, tmp_path, backbone="lora", epochs=2, backbone_lr=1e-3, lora={"r": 2})
+    summary = train_critic(episodes, config, tmp_path / "lora", progress=False)
+    assert all(np.isfinite(r["loss_q"]) for r in summary["history"])
+    saved = torch.load(tmp_path / "lora" / CRITIC_FILE, weights_only=False)
+    lora_b = [t for name, t in saved["backbone"].items() if "lora_B" in name]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # LoRA B starts at zero: it trained
+    first = predict_values(load_critic(tmp_path / "lora"), critic_samples(episodes, config), progress=False)
+    second = predict_values(load_critic(tmp_path / "lora"), critic_samples(episodes, config), progress=False)
+    for (v1, q1), (v2, q2) in zip(first, second):
+        np.testing.assert_array_equal(v1, v2)
+        np.testing.assert_array_equal(q1, q2)
+
+
+def test_labelling_twice_gives_identical_output(tiny_folder, tmp_path):
+    episodes = synthetic_buffer(10, seed=7)
+    episodes[0].turns[0].action_valid = False
+    config = _config(tiny_folder, tmp_path, epochs=2)
+    train_critic(episodes, config, tmp_path / "run", progress=False)
+    write_episodes(tmp_path / "buffer.parquet", episodes)
+    outputs = []
+    for attempt in range(2):
+        critic = load_critic(tmp_path / "run")
+        labelled, summary = label_episodes(read_episodes(tmp_path / "buffer.parquet"), critic, LabelConfig(),
+                                           progress=False)
+        path = write_episodes(tmp_path / f"labelled-{attempt}.parquet", labelled)
+        outputs.append(read_episodes(path))
+    assert outputs[0] == outputs[1]
+    turns = [t for ep in outputs[0] for t in ep.turns]
+    assert all(t.value is not None and t.q_value is not None and t.advantage is not None for t in turns)
+    assert outputs[0][0].turns[0].r_aux == pytest.approx(-0.2)
+    assert summary["turns"] == len(turns)
+
+
+def test_label_estimators_and_standardisation(tiny_folder, tmp_path):
+    episodes = synthetic_buffer(8, seed=8)
+    config = _config(tiny_folder, tmp_path, epochs=1)
+    train_critic(episodes, config, tmp_path / "run", progress=False)
+    critic = load_critic(tmp_path / "run")
+    labelled, _ = label_episodes(synthetic_buffer(8, seed=8), critic, LabelConfig(estimator="q_minus_v"), progress=False)
+    for turn in (t for ep in labelled for t in ep.turns):
+        assert turn.advantage == pytest.approx(turn.q_value - turn.value)
+    labelled, summary = label_episodes(synthetic_buffer(8, seed=8), critic,
+                                       LabelConfig(estimator="td1", standardize=True), progress=False)
+    advantages = np.array([t.advantage for ep in labelled for t in ep.turns])
+    assert advantages.mean() == pytest.approx(0.0, abs=1e-9) and advantages.std() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_cli_critic_and_label(tiny_folder, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    monkeypatch.setenv("QEVOLVE_DATA_DIR", str(tmp_path / "data"))
+    episodes = synthetic_buffer(8, seed=9)
+    write_episodes(tmp_path / "buffer.parquet", episodes)
+    config_path = tmp_path / "critic.yaml"
+    config_path.write_text("epochs: 2\ndtype: float32\nbatch_tokens: 256\nhead_hidden: 16\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["critic", "--buffer", str(tmp_path / "buffer.parquet"), "--init", str(tiny_folder),
+                                 "--output", str(tmp_path / "critic"), "--config", str(config_path), "--no-progress",
+                                 "iql.expectile=0.8"])
+    assert result.exit_code == 0, result.output
+    assert "explained_variance" in result.output and (tmp_path / "critic" / CRITIC_FILE).is_file()
+    assert "expectile: 0.8" in (tmp_path / "critic" / "config.yaml").read_text()
+    result = runner.invoke(app, ["label", "--buffer", str(tmp_path / "buffer.parquet"), "--critic",
+                                 str(tmp_path / "critic"), "--output", str(tmp_path / "labelled.parquet"),
+                                 "--no-progress", "estimator=gae_env_aux"])
+    assert result.exit_code == 0, result.output
+    assert "gae_env_aux" in result.output
+    labelled = read_episodes(tmp_path / "labelled.parquet")
+    assert all(t.advantage is not None for ep in labelled for t in ep.turns)
+    result = runner.invoke(app, ["label", "--buffer", str(tmp_path / "buffer.parquet"), "--critic",
+                                 str(tmp_path / "critic"), "--output", str(tmp_path / "x.parquet"), "estimator=nope"])
+    assert result.exit_code != 0
