@@ -83,12 +83,13 @@ def test_build_samples_positions_rewards_and_success():
     episode = synthetic_episode(rng, 0, 3, success=True)
     episode.turns[1].action_valid = False
     (sample,) = _samples([episode])
-    ids = sample.input_ids.tolist()
+    (segment,) = sample.segments
+    ids = segment.input_ids.tolist()
     start = len(episode.turns[0].context_ids)
-    assert sample.value_positions[0] == start - 1
-    assert sample.q_positions[0] == start + len(episode.turns[0].action_ids) - 1
-    assert ids[int(sample.q_positions[-1])] == episode.turns[-1].action_ids[-1]
-    assert sample.q_positions[-1] == len(ids) - 1
+    assert segment.value_positions[0] == start - 1
+    assert segment.q_positions[0] == start + len(episode.turns[0].action_ids) - 1
+    assert ids[int(segment.q_positions[-1])] == episode.turns[-1].action_ids[-1]
+    assert segment.q_positions[-1] == len(ids) - 1
     assert sample.aux_rewards.tolist() == pytest.approx([0.0, -0.2, 0.0])
     assert sample.env_rewards.tolist() == [0.0, 0.0, 1.0] and sample.success
     assert sample.dones.tolist() == [False, False, True]
@@ -103,7 +104,7 @@ def test_build_samples_errors_name_the_episode():
     with pytest.raises(ValueError, match="syn-5.*tokenise the buffer first"):
         _samples([episode])
     long = synthetic_episode(random.Random(0), 6, 3, success=False)
-    with pytest.raises(ValueError, match="syn-6.*max_sequence_tokens=4"):
+    with pytest.raises(ValueError, match="syn-6.*more than max_sequence_tokens=4"):
         build_samples([long], RetrospectiveConfig(), WeightingConfig(), 0.9, max_sequence_tokens=4)
 
 
@@ -170,6 +171,16 @@ def test_token_budget_batches():
     assert [i for b in batches for i in b] == order
     for batch in batches:
         assert len(batch) == 1 or max(lengths[i] for i in batch) * len(batch) <= budget
+    # A restarted episode is several rows: two 2-segment samples do not fit where two 1-segment ones do.
+    episodes = [synthetic_episode(random.Random(i), i, 4, success=True) for i in range(2)]
+    plain = _samples(episodes)
+    budget = 2 * max(s.longest_segment for s in plain)
+    assert token_budget_batches(plain, [0, 1], budget) == [[0, 1]]
+    for episode in episodes:
+        episode.turns[2].info["segment_start"] = True
+    split = _samples(episodes)
+    assert [len(s.segments) for s in split] == [2, 2]
+    assert token_budget_batches(split, [0, 1], 2 * max(s.longest_segment for s in split)) == [[0], [1]]
     assert token_budget_batches(samples, order, 1) == [[i] for i in order]
 
 
@@ -183,3 +194,13 @@ def test_critic_config_documents_every_field_and_rejects_typos():
         load_config(CriticConfig, None, ["iql.expectile=1.5"])
     with pytest.raises(ConfigError, match="backbone"):
         load_config(CriticConfig, None, ["backbone=partial"])
+
+
+def test_shipped_yaml_files_equal_the_defaults():
+    from pathlib import Path
+
+    from qevolve.process_rewards.label import LabelConfig
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert load_config(CriticConfig, configs / "critic.yaml") == CriticConfig()
+    assert load_config(LabelConfig, configs / "label.yaml") == LabelConfig()

@@ -41,11 +41,12 @@ def test_single_pass_equals_per_prefix_passes(tiny_folder, samples):
     with torch.no_grad():
         for sample in samples[:3]:
             v_one, q_one = encode_batch(backbone, [sample], CPU, torch.float32)
+            (segment,) = sample.segments
             for t in range(sample.num_turns):
-                v_pos, q_pos = int(sample.value_positions[t]), int(sample.q_positions[t])
+                v_pos, q_pos = int(segment.value_positions[t]), int(segment.q_positions[t])
                 # V(s_t) from a pass over the context before turn t only; Q from the prefix ending with turn t
-                v_prefix = backbone(input_ids=sample.input_ids[None, : v_pos + 1]).last_hidden_state[0, -1]
-                q_prefix = backbone(input_ids=sample.input_ids[None, : q_pos + 1]).last_hidden_state[0, -1]
+                v_prefix = backbone(input_ids=segment.input_ids[None, : v_pos + 1]).last_hidden_state[0, -1]
+                q_prefix = backbone(input_ids=segment.input_ids[None, : q_pos + 1]).last_hidden_state[0, -1]
                 torch.testing.assert_close(v_one[t], v_prefix, rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(q_one[t], q_prefix, rtol=1e-4, atol=1e-5)
 
@@ -108,3 +109,22 @@ def test_load_backbone_merges_a_peft_adapter(tiny_folder, tmp_path):
 def test_load_backbone_missing_folder_is_a_named_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope: not a model folder"):
         load_backbone(tmp_path / "nope")
+
+
+def test_history_restart_reads_each_turn_from_its_own_segment(tiny_folder):
+    import random
+
+    from qevolve.critic.testing import synthetic_episode
+
+    episode = synthetic_episode(random.Random(4), 0, 5, success=True)
+    episode.turns[3].info["segment_start"] = True  # turn 3's context_ids hold a whole new prompt
+    (sample,) = build_samples([episode], RetrospectiveConfig(), WeightingConfig(), 0.99)
+    assert [seg.value_positions.numel() for seg in sample.segments] == [3, 2]
+    second = sample.segments[1]
+    assert second.input_ids.tolist()[: len(episode.turns[3].context_ids)] == episode.turns[3].context_ids
+    backbone = load_backbone(tiny_folder).eval()
+    with torch.no_grad():
+        v_all, q_all = encode_batch(backbone, [sample], CPU, torch.float32)
+        hidden = backbone(input_ids=second.input_ids[None]).last_hidden_state[0]
+    torch.testing.assert_close(v_all[3:], hidden[second.value_positions], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(q_all[3:], hidden[second.q_positions], rtol=1e-4, atol=1e-5)

@@ -4,6 +4,13 @@ Each trajectory becomes a :class:`CriticSample`: its token ids (from the store, 
 the positions where V(s_t) and Q(s_t, a_t) are read, and per-turn rewards, done flags, transition
 weights and Monte-Carlo returns. Batches group whole trajectories (V(s_{t+1}) of a turn comes from
 the same forward pass) under a budget in tokens.
+
+History restarts. When the policy's prompt outgrew its token budget, the conversation restarted:
+turn t with ``turn.info["segment_start"]`` holds in its ``context_ids`` the whole new prompt, and
+the stored ids of the episode are a sequence of *segments*, each the exact token sequence the
+policy conditioned on (the contract of ``qevolve.policy.prompts``). A sample therefore holds one
+:class:`Segment` per such sequence; each is one row of a forward pass, and V/Q of a turn are read
+from the segment that contains it. Episodes without restarts have a single segment.
 """
 
 from __future__ import annotations
@@ -15,12 +22,28 @@ from pathlib import Path
 import torch
 
 from qevolve.buffer.store import Episode
-from qevolve.buffer.tokenized import tokenized_from_episode
+from qevolve.buffer.tokenized import TokenizedTrajectory
 from qevolve.critic.config import WeightingConfig
 from qevolve.process_rewards.retrospective import RetrospectiveConfig, aux_rewards
 
-__all__ = ["CriticSample", "build_samples", "transition_weights", "monte_carlo_returns", "token_budget_batches",
+__all__ = ["CriticSample", "Segment", "episode_token_segments", "build_samples", "transition_weights", "monte_carlo_returns", "token_budget_batches",
            "buffer_fingerprint", "ensure_tokenized"]
+
+
+SEGMENT_START = "segment_start"  # Turn.info key set by the prompt builder on a history restart
+
+
+@dataclass
+class Segment:
+    """One token sequence of a trajectory and the read positions of the turns it contains."""
+
+    input_ids: torch.Tensor  # [L] long
+    value_positions: torch.Tensor  # [turns] long: the last token before the turn's action
+    q_positions: torch.Tensor  # [turns] long: the last token of the turn's action
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
 
 
 @dataclass
@@ -29,9 +52,7 @@ class CriticSample:
 
     episode_index: int
     episode_id: str
-    input_ids: torch.Tensor  # [L] long
-    value_positions: torch.Tensor  # [T] long: the last token before turn t's action
-    q_positions: torch.Tensor  # [T] long: the last token of turn t's action
+    segments: list[Segment]  # token sequences in turn order; one unless the history restarted
     env_rewards: torch.Tensor  # [T] float: r_env after turn t
     aux_rewards: torch.Tensor  # [T] float: r_aux of turn t
     dones: torch.Tensor  # [T] bool
@@ -41,16 +62,44 @@ class CriticSample:
 
     @property
     def num_turns(self) -> int:
-        return int(self.value_positions.numel())
+        return int(self.env_rewards.numel())
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        return sum(segment.num_tokens for segment in self.segments)
+
+    @property
+    def longest_segment(self) -> int:
+        return max(segment.num_tokens for segment in self.segments)
 
     @property
     def rewards(self) -> torch.Tensor:
         """The critic's reward r_env + r_aux."""
         return self.env_rewards + self.aux_rewards
+
+
+def episode_token_segments(episode: Episode) -> list[TokenizedTrajectory]:
+    """The episode's token sequences: ``context_ids + action_ids`` over the turns, cut at history restarts."""
+    segments: list[TokenizedTrajectory] = []
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for t, turn in enumerate(episode.turns):
+        if turn.context_ids is None or turn.action_ids is None:
+            raise ValueError(f"episode {episode.episode_id!r} turn {t} has no token ids; tokenise the buffer first")
+        if t > 0 and turn.info.get(SEGMENT_START):
+            segments.append(TokenizedTrajectory(ids, spans))
+            ids, spans = [], []
+        if not spans and not turn.context_ids:
+            raise ValueError(f"episode {episode.episode_id!r} turn {t}: the first turn of a token sequence needs a "
+                             f"non-empty context (V reads the token before the action)")
+        if not turn.action_ids:
+            raise ValueError(f"episode {episode.episode_id!r} turn {t}: empty action_ids (Q reads its last token)")
+        ids = ids + list(turn.context_ids)
+        start = len(ids)
+        ids += list(turn.action_ids)
+        spans.append((start, len(ids)))
+    segments.append(TokenizedTrajectory(ids, spans))
+    return segments
 
 
 def transition_weights(num_turns: int, success: bool, config: WeightingConfig) -> torch.Tensor:
@@ -83,22 +132,21 @@ def build_samples(episodes: list[Episode], retrospective: RetrospectiveConfig, w
     for index, episode in enumerate(episodes):
         if not episode.turns:
             raise ValueError(f"episode {episode.episode_id!r} has no turns")
-        tokenized = tokenized_from_episode(episode)
-        if max_sequence_tokens is not None and len(tokenized.input_ids) > max_sequence_tokens:
-            raise ValueError(f"episode {episode.episode_id!r}: {len(tokenized.input_ids)} tokens, more than "
+        segments = [Segment(torch.tensor(seg.input_ids, dtype=torch.long),
+                            torch.tensor(seg.value_positions, dtype=torch.long),
+                            torch.tensor(seg.q_positions, dtype=torch.long))
+                    for seg in episode_token_segments(episode)]
+        longest = max(seg.num_tokens for seg in segments)
+        if max_sequence_tokens is not None and longest > max_sequence_tokens:
+            raise ValueError(f"episode {episode.episode_id!r}: a token sequence of {longest} tokens, more than "
                              f"max_sequence_tokens={max_sequence_tokens}")
-        for t, (start, end) in enumerate(tokenized.action_spans):
-            if end <= start:
-                raise ValueError(f"episode {episode.episode_id!r} turn {t}: empty action_ids (Q reads its last token)")
         env_rewards = torch.tensor([turn.reward for turn in episode.turns], dtype=torch.float32)
         aux = torch.tensor(aux_rewards(episode, retrospective), dtype=torch.float32)
         success = bool(episode.turns[-1].reward != 0)
         samples.append(CriticSample(
             episode_index=index,
             episode_id=episode.episode_id,
-            input_ids=torch.tensor(tokenized.input_ids, dtype=torch.long),
-            value_positions=torch.tensor(tokenized.value_positions, dtype=torch.long),
-            q_positions=torch.tensor(tokenized.q_positions, dtype=torch.long),
+            segments=segments,
             env_rewards=env_rewards,
             aux_rewards=aux,
             dones=torch.tensor([turn.done for turn in episode.turns], dtype=torch.bool),
@@ -110,28 +158,35 @@ def build_samples(episodes: list[Episode], retrospective: RetrospectiveConfig, w
 
 
 def token_budget_batches(samples: list[CriticSample], order: list[int], batch_tokens: int) -> list[list[int]]:
-    """Cut ``order`` into consecutive batches whose padded size (rows x longest) stays within ``batch_tokens``."""
+    """Cut ``order`` into consecutive batches whose padded size (segment rows x longest) fits ``batch_tokens``."""
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    rows = longest = 0
     for index in order:
-        length = samples[index].num_tokens
-        if current and max(longest, length) * (len(current) + 1) > batch_tokens:
+        sample = samples[index]
+        new_rows, new_longest = rows + len(sample.segments), max(longest, sample.longest_segment)
+        if current and new_rows * new_longest > batch_tokens:
             batches.append(current)
-            current, longest = [], 0
+            current, rows, longest = [], 0, 0
+            new_rows, new_longest = len(sample.segments), sample.longest_segment
         current.append(index)
-        longest = max(longest, length)
+        rows, longest = new_rows, new_longest
     if current:
         batches.append(current)
     return batches
+
+
+def sample_tensors(sample: CriticSample) -> list[torch.Tensor]:
+    """Every tensor that identifies a sample's tokens and read positions (for hashing)."""
+    return [t for seg in sample.segments for t in (seg.input_ids, seg.value_positions, seg.q_positions)]
 
 
 def buffer_fingerprint(samples: list[CriticSample]) -> str:
     """A hash of everything the critic trains on: tokens, read positions, rewards, dones, weights."""
     digest = hashlib.sha256()
     for sample in samples:
-        for tensor in (sample.input_ids, sample.value_positions, sample.q_positions, sample.env_rewards,
-                       sample.aux_rewards, sample.dones, sample.weights):
+        for tensor in sample_tensors(sample) + [sample.env_rewards, sample.aux_rewards, sample.dones,
+                                                sample.weights]:
             digest.update(tensor.numpy().tobytes())
             digest.update(b"|")
     return digest.hexdigest()

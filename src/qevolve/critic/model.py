@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from qevolve.critic.config import DEFAULT_MODEL_NAME, CriticConfig
-from qevolve.critic.data import CriticSample, token_budget_batches
+from qevolve.critic.data import CriticSample, sample_tensors, token_budget_batches
 from qevolve.paths import data_dir
 
 __all__ = ["CriticHeads", "Critic", "default_model_path", "resolve_device", "resolve_dtype", "load_backbone",
@@ -187,25 +187,26 @@ def build_critic(config: CriticConfig, init_path: str | Path, device: torch.devi
 
 def encode_batch(backbone: nn.Module, samples: list[CriticSample], device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass over a batch of whole trajectories (right padded).
+    """One forward pass over a batch of whole trajectories, one right-padded row per token sequence.
 
     Returns the float32 last-layer hidden states at every V position and every Q position, turns of
     all samples concatenated in batch order: ([N, H], [N, H]).
     """
-    longest = max(s.num_tokens for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    attention = torch.zeros(len(samples), longest, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids[row, : sample.num_tokens] = sample.input_ids
-        attention[row, : sample.num_tokens] = 1
+    segments = [segment for sample in samples for segment in sample.segments]
+    longest = max(segment.num_tokens for segment in segments)
+    ids = torch.zeros(len(segments), longest, dtype=torch.long)
+    attention = torch.zeros(len(segments), longest, dtype=torch.long)
+    for row, segment in enumerate(segments):
+        ids[row, : segment.num_tokens] = segment.input_ids
+        attention[row, : segment.num_tokens] = 1
     with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
         hidden = backbone(input_ids=ids.to(device), attention_mask=attention.to(device)).last_hidden_state
     hidden = hidden.float()
-    rows_v = torch.cat([torch.full((s.num_turns,), row, dtype=torch.long) for row, s in enumerate(samples)])
-    value_positions = torch.cat([s.value_positions for s in samples])
-    q_positions = torch.cat([s.q_positions for s in samples])
-    rows_v, value_positions, q_positions = rows_v.to(device), value_positions.to(device), q_positions.to(device)
-    return hidden[rows_v, value_positions], hidden[rows_v, q_positions]
+    rows = torch.cat([torch.full((seg.value_positions.numel(),), row, dtype=torch.long)
+                      for row, seg in enumerate(segments)]).to(device)
+    value_positions = torch.cat([seg.value_positions for seg in segments]).to(device)
+    q_positions = torch.cat([seg.q_positions for seg in segments]).to(device)
+    return hidden[rows, value_positions], hidden[rows, q_positions]
 
 
 @torch.inference_mode()
@@ -215,7 +216,7 @@ def extract_features(backbone: nn.Module, samples: list[CriticSample], batch_tok
     """(V features [T, H], Q features [T, H]) of every sample, on the CPU, one forward pass per trajectory."""
     backbone.eval()
     # Length-sorted batches pad least; results are put back in sample order.
-    order = sorted(range(len(samples)), key=lambda i: samples[i].num_tokens)
+    order = sorted(range(len(samples)), key=lambda i: samples[i].longest_segment)
     features: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
     with tqdm(total=sum(s.num_turns for s in samples), desc=desc, unit="turn", disable=not progress) as bar:
         for batch in token_budget_batches(samples, order, batch_tokens):
@@ -241,7 +242,7 @@ class FeatureCache:
         digest = hashlib.sha256(identity.encode())
         digest.update(str(dtype).encode())
         for sample in samples:
-            for tensor in (sample.input_ids, sample.value_positions, sample.q_positions):
+            for tensor in sample_tensors(sample):
                 digest.update(tensor.numpy().tobytes())
                 digest.update(b"|")
         return digest.hexdigest()[:32]
