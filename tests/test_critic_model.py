@@ -128,3 +128,18 @@ def test_history_restart_reads_each_turn_from_its_own_segment(tiny_folder):
         hidden = backbone(input_ids=second.input_ids[None]).last_hidden_state[0]
     torch.testing.assert_close(v_all[3:], hidden[second.value_positions], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(q_all[3:], hidden[second.q_positions], rtol=1e-4, atol=1e-5)
+
+
+def test_feature_normalizer_standardises_and_travels_with_the_heads(tiny_folder):
+    critic = build_critic(CriticConfig(init=str(tiny_folder), dtype="float32"), tiny_folder, CPU)
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(50, 64, generator=gen)
+    features[:, 7] = 35.0 + 0.1 * features[:, 7]  # one huge dimension, as in real LM hidden states
+    critic.heads.fit_normalizer(features)
+    normalised = critic.heads.normalize(features)
+    torch.testing.assert_close(normalised.mean(0), torch.zeros(64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(normalised.std(0, unbiased=False), torch.ones(64), atol=1e-4, rtol=0)
+    state = critic.heads.state_dict()
+    assert "feature_mean" in state and float(state["feature_mean"][7]) == pytest.approx(35.0, abs=0.1)
+    # the target Q reads the same standardised input as the online Q heads
+    torch.testing.assert_close(critic.target_q_min(features), critic.heads.q_values(features).min(0).values)

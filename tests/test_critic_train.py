@@ -159,3 +159,16 @@ def test_cli_critic_and_label(tiny_folder, tmp_path, monkeypatch):
     result = runner.invoke(app, ["label", "--buffer", str(tmp_path / "buffer.parquet"), "--critic",
                                  str(tmp_path / "critic"), "--output", str(tmp_path / "x.parquet"), "estimator=nope"])
     assert result.exit_code != 0
+
+
+def test_untokenised_buffer_without_the_prompt_builder_is_a_clear_error(monkeypatch, tmp_path):
+    import sys
+
+    from qevolve.critic.data import ensure_tokenized
+
+    episodes = synthetic_buffer(2, seed=1)
+    assert ensure_tokenized(episodes, tmp_path) is episodes  # already tokenised: nothing to do
+    episodes[1].turns[0].context_ids = None
+    monkeypatch.setitem(sys.modules, "qevolve.policy.prompts", None)  # makes the import fail
+    with pytest.raises(ValueError, match="buf.parquet: 1 episodes have no token ids.*tokenise the buffer first"):
+        ensure_tokenized(episodes, tmp_path, source="buf.parquet")

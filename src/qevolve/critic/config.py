@@ -52,6 +52,11 @@ class CriticConfig(StageConfig):
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA settings (backbone: lora)")
     head_hidden: int = Field(256, ge=1, description="hidden width of the V and Q MLP heads")
     head_layers: int = Field(2, ge=1, description="linear layers per head (1 = linear probe)")
+    feature_norm: bool = Field(True, description="standardise each hidden-state dimension before the heads, with "
+                                                 "its mean and std measured once before training (LM hidden states "
+                                                 "have a few huge dimensions)")
+    feature_norm_trajectories: int = Field(64, ge=1, description="lora/full: trajectories whose initial hidden "
+                                                                 "states fit the standardisation (frozen: all)")
     iql: IQLConfig = Field(default_factory=IQLConfig, description="weighted IQL")
     retrospective: RetrospectiveConfig = Field(default_factory=RetrospectiveConfig,
                                                description="r_aux labels added to r_env in the critic's reward")

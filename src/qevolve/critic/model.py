@@ -115,20 +115,39 @@ def _mlp(in_features: int, hidden: int, layers: int) -> nn.Sequential:
 
 
 class CriticHeads(nn.Module):
-    """A V head and one or two Q heads: MLPs from a hidden state to a scalar."""
+    """A V head and one or two Q heads: MLPs from a (standardised) hidden state to a scalar.
+
+    LM hidden states have a few dimensions with huge values (SmolLM2: one dimension averages about 35
+    where the median is under 1), which would dominate the heads' inputs and steps. ``fit_normalizer``
+    sets a per-dimension mean and scale, kept as buffers so they travel with the heads' weights.
+    """
 
     def __init__(self, hidden_size: int, head_hidden: int, head_layers: int, twin_q: bool):
         super().__init__()
+        self.register_buffer("feature_mean", torch.zeros(hidden_size))
+        self.register_buffer("feature_scale", torch.ones(hidden_size))
         self.v = _mlp(hidden_size, head_hidden, head_layers)
         self.q = nn.ModuleList(_mlp(hidden_size, head_hidden, head_layers) for _ in range(2 if twin_q else 1))
 
+    @torch.no_grad()
+    def fit_normalizer(self, features: torch.Tensor, eps: float = 1e-5) -> None:
+        """Standardise each dimension with its mean and standard deviation over ``features`` [N, H]."""
+        features = features.float()
+        self.feature_mean.copy_(features.mean(dim=0))
+        self.feature_scale.copy_(features.std(dim=0, unbiased=False).clamp(min=eps) if len(features) > 1
+                                 else torch.ones_like(self.feature_scale))
+
+    def normalize(self, features: torch.Tensor) -> torch.Tensor:
+        return (features - self.feature_mean) / self.feature_scale
+
     def value(self, features: torch.Tensor) -> torch.Tensor:
         """V: [N, H] -> [N]."""
-        return self.v(features).squeeze(-1)
+        return self.v(self.normalize(features)).squeeze(-1)
 
     def q_values(self, features: torch.Tensor) -> torch.Tensor:
         """Every Q head: [N, H] -> [heads, N]."""
-        return torch.stack([head(features).squeeze(-1) for head in self.q])
+        x = self.normalize(features)
+        return torch.stack([head(x).squeeze(-1) for head in self.q])
 
 
 class Critic(nn.Module):
@@ -151,7 +170,8 @@ class Critic(nn.Module):
 
     def target_q_min(self, features: torch.Tensor) -> torch.Tensor:
         """Qbar(s, a): the minimum over the target heads, [N, H] -> [N]."""
-        return torch.stack([head(features).squeeze(-1) for head in self.target_q]).min(dim=0).values
+        x = self.heads.normalize(features)
+        return torch.stack([head(x).squeeze(-1) for head in self.target_q]).min(dim=0).values
 
     def trainable_backbone_state(self) -> dict[str, torch.Tensor]:
         """The backbone weights that train (LoRA adapters or everything); empty when frozen."""

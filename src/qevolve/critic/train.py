@@ -124,7 +124,7 @@ def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprin
         return f"state format {state.get('format')}, expected {FORMAT_VERSION}"
     saved = dict(state["config"])
     current = config.model_dump(mode="json")
-    for name in ("epochs", "checkpoint_every_steps"):  # may change between attempts (e.g. to extend training)
+    for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir"):  # may change
         saved.pop(name, None)
         current.pop(name, None)
     if saved != current:
@@ -192,6 +192,12 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
 
     features = frozen_features(critic, samples, config, init_path, device, progress) \
         if config.backbone == "frozen" else None
+    if config.feature_norm and global_step == 0:  # fitted once, before the first step; then saved with the heads
+        subset = sorted(_epoch_order(len(samples), config.seed, -1)[: config.feature_norm_trajectories])
+        fit_on = features if features is not None else extract_features(
+            critic.backbone, [samples[i] for i in subset], config.batch_tokens, device, critic.compute_dtype,
+            progress=progress, desc="feature statistics")
+        critic.heads.fit_normalizer(torch.cat([torch.cat(pair) for pair in fit_on]))
     iql = config.iql
     while epoch < config.epochs:
         batches = token_budget_batches(samples, _epoch_order(len(samples), config.seed, epoch), config.batch_tokens)
