@@ -26,8 +26,8 @@ from qevolve.buffer.tokenized import TokenizedTrajectory
 from qevolve.critic.config import WeightingConfig
 from qevolve.process_rewards.retrospective import RetrospectiveConfig, aux_rewards
 
-__all__ = ["CriticSample", "Segment", "episode_token_segments", "build_samples", "transition_weights", "monte_carlo_returns", "token_budget_batches",
-           "buffer_fingerprint", "ensure_tokenized"]
+__all__ = ["CriticSample", "Segment", "episode_token_segments", "build_samples", "transition_weights",
+           "monte_carlo_returns", "token_budget_batches", "sample_tensors", "buffer_fingerprint", "ensure_tokenized"]
 
 
 SEGMENT_START = "segment_start"  # Turn.info key set by the prompt builder on a history restart

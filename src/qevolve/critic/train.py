@@ -124,7 +124,8 @@ def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprin
         return f"state format {state.get('format')}, expected {FORMAT_VERSION}"
     saved = dict(state["config"])
     current = config.model_dump(mode="json")
-    for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir"):  # may change
+    # Fields that may change between attempts (e.g. more epochs to extend training, another device).
+    for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir"):
         saved.pop(name, None)
         current.pop(name, None)
     if saved != current:
