@@ -187,13 +187,13 @@ def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None)
     episodes = load_buffer(train_path, data.only_won)
     eval_episodes: list[Episode] = []
     if data.eval_path:
-        eval_episodes = _subset(load_buffer(data.eval_path, data.only_won), data.num_eval, data.seed)
+        eval_episodes = _subset(load_buffer(data.eval_path, data.only_won), data.num_eval, config.seed)
     elif data.eval_holdout:
-        rng = random.Random(f"holdout/{data.seed}")
+        rng = random.Random(f"holdout/{config.seed}")
         held = set(rng.sample(range(len(episodes)), min(data.eval_holdout, max(len(episodes) - 1, 0))))
         eval_episodes = [ep for i, ep in enumerate(episodes) if i in held]
         episodes = [ep for i, ep in enumerate(episodes) if i not in held]
-    episodes = _subset(episodes, data.num_demonstrations, data.seed)
+    episodes = _subset(episodes, data.num_demonstrations, config.seed)
     if not episodes:
         raise ValueError(f"data.train_path {train_path}: no usable episodes")
     train = prepare_sequences(episodes, builder, max_length, str(train_path))

