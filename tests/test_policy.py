@@ -1,0 +1,135 @@
+"""Model loading (precision, LoRA, checkpoints), token batches and target-only forward passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qevolve.policy.batching import TrainSequence, collate, plan_batches
+from qevolve.policy.forward import target_logprobs, target_nll
+from qevolve.policy.model import ModelConfig, load_policy, resolve_precision
+
+
+def random_sequences(n: int, vocab: int, seed: int = 0) -> list[TrainSequence]:
+    g = torch.Generator().manual_seed(seed)
+    sequences = []
+    for i in range(n):
+        length = int(torch.randint(12, 60, (1,), generator=g))
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        spans = [(length // 3, length // 3 + 4), (length - 5, length)]
+        sequences.append(TrainSequence(ids, spans, episode=i, turns=[0, 1]))
+    return sequences
+
+
+def full_logits_reference(model, sequence: TrainSequence) -> torch.Tensor:
+    """log pi of the agent tokens from an ordinary forward pass over one unpadded sequence."""
+    ids = torch.tensor([sequence.input_ids])
+    logits = model(input_ids=ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, -1)
+    out = []
+    for start, end in sequence.spans:
+        for i in range(start, end):
+            out.append(logprobs[i - 1, sequence.input_ids[i]])
+    return torch.stack(out)
+
+
+def test_load_tiny_policy_with_lora(tiny_model_dir):
+    policy = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"))
+    assert policy.is_lora and policy.precision == "fp32"
+    trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert policy.tokenizer.chat_template
+    full = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="bf16", device="cpu",
+                                   lora={"enabled": False}))
+    assert not full.is_lora
+    assert next(full.model.parameters()).dtype == torch.bfloat16
+    assert all(p.requires_grad for p in full.model.parameters())
+    frozen = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), device="cpu"), trainable=False)
+    assert not any(p.requires_grad for p in frozen.model.parameters()) and not frozen.model.training
+
+
+def test_precision_auto_follows_the_hardware(monkeypatch):
+    import qevolve.policy.model as model_module
+
+    monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_precision("auto", torch.device("cpu")) == "bf16-autocast"
+    monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
+
+
+def test_bad_model_paths_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="folder not found"):
+        load_policy(ModelConfig(name_or_path="./no/such/model", device="cpu"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither config.json"):
+        load_policy(ModelConfig(name_or_path=str(tmp_path / "empty"), device="cpu"))
+
+
+def test_saved_adapter_reloads_with_identical_outputs_and_reference_is_the_base(tiny_model_dir, tmp_path):
+    config = ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu")
+    policy = load_policy(config)
+    with torch.no_grad():  # move the adapters away from their zero initialisation
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    base = load_policy(config.model_copy(update={"lora": config.lora.model_copy(update={"enabled": False})}),
+                       trainable=False)
+    ids = torch.tensor([[5, 9, 17, 33, 60, 2, 40]])
+    policy.model.eval()
+    with torch.no_grad():
+        tuned = policy.model(input_ids=ids).logits
+        with policy.reference() as reference:
+            assert torch.equal(reference(input_ids=ids).logits, base.model(input_ids=ids).logits)
+        assert not torch.allclose(tuned, base.model(input_ids=ids).logits)
+    policy.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "adapter_config.json").is_file()
+    reloaded = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"),
+                           trainable=False)
+    assert reloaded.is_lora and reloaded.base_source == str(tiny_model_dir)
+    with torch.no_grad():
+        assert torch.allclose(reloaded.model(input_ids=ids).logits, tuned, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_plans_respect_the_budget_and_cover_every_sequence_once(mode):
+    sequences = random_sequences(40, 300)
+    groups = plan_batches(sequences, tokens_per_batch=150, mode=mode, seed=1)
+    assert sorted(i for g in groups for i in g) == list(range(40))
+    for group in groups:
+        lengths = [len(sequences[i]) for i in group]
+        cost = sum(lengths) if mode == "pack" else len(lengths) * max(lengths)
+        assert cost <= 150 or len(group) == 1
+    assert groups == plan_batches(sequences, 150, mode, seed=1)
+    assert groups != plan_batches(sequences, 150, mode, seed=2)
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_batched_logprobs_equal_one_sequence_at_a_time(tiny_model_dir, mode):
+    """Packing must not let sequences see each other; padding must not change anything."""
+    policy = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),
+                         trainable=False)
+    sequences = random_sequences(6, len(policy.tokenizer), seed=3)
+    batch = collate(sequences, list(range(6)), mode, pad_id=0)
+    assert batch.input_ids.shape[0] == (1 if mode == "pack" else 6)
+    assert (batch.attention_mask is None) == (mode == "pack")
+    assert batch.num_targets == sum(s.num_targets for s in sequences)
+    assert batch.turn_keys == [(i, k) for i in range(6) for k in (0, 1)]
+    with torch.no_grad():
+        batched = target_logprobs(policy.model, batch)
+        reference = torch.cat([full_logits_reference(policy.model, s) for s in sequences])
+    assert torch.allclose(batched, reference, atol=1e-5)
+    nll, _ = target_nll(policy.model, batch)
+    assert torch.allclose(nll, -reference.sum(), atol=1e-3)
+
+
+def test_target_positions_are_the_tokens_before_each_agent_token():
+    seq = TrainSequence([10, 11, 12, 13, 14, 15, 16], [(2, 4), (5, 7)], turns=[0, 1])
+    other = TrainSequence([20, 21, 22], [(1, 3)], episode=1, turns=[0])
+    batch = collate([seq, other], [0, 1], "pack")
+    assert batch.target_index.tolist() == [1, 2, 4, 5, 7, 8]
+    assert batch.target_ids.tolist() == [12, 13, 15, 16, 21, 22]
+    assert batch.target_turn.tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 0, 1, 2]]
+    with pytest.raises(ValueError, match="position 0"):
+        collate([TrainSequence([1, 2], [(0, 2)])], [0])
