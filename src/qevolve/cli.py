@@ -256,6 +256,66 @@ def bc(
                    f"{result.eval_after['agent_nll']:.4f}")
 
 
+# ------------------------------------------------------------------------------ rollouts / eval
+
+
+def _rollout_config(config: Optional[Path], overrides: list[str], checkpoint: Optional[str], split: Optional[str],
+                    env: Optional[str], limit: Optional[int], episodes_per_task: Optional[int]):
+    from qevolve.config import load_config
+    from qevolve.rollouts.run import RolloutConfig
+
+    extra = list(overrides)
+    for key, value in (("model.name_or_path", checkpoint), ("split", split), ("env", env), ("limit", limit),
+                       ("episodes_per_task", episodes_per_task)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    return load_config(RolloutConfig, config, extra)
+
+
+@app.command("rollout")
+def rollout(
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. agent.batch_size=8"),
+    checkpoint: Optional[str] = typer.Option(None, help="policy checkpoint folder ('default': the base model)"),
+    split: Optional[str] = typer.Option(None, help="task split (default: train)"),
+    env: Optional[str] = typer.Option(None, help="environment (default: alfworld)"),
+    episodes_per_task: Optional[int] = typer.Option(None, help="episodes per task"),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="only the first K tasks"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
+    output: Optional[Path] = typer.Option(None, help="trajectory folder (default: runs/rollouts/ENV-SPLIT)"),
+) -> None:
+    """Act with a policy checkpoint on a split; write the self trajectories (resumable shards)."""
+    from qevolve.rollouts.run import run_rollouts
+
+    cfg = _rollout_config(config, overrides or [], checkpoint, split, env, tasks, episodes_per_task)
+    output = output or Path("runs/rollouts") / f"{cfg.env}-{cfg.split}"
+    metrics = run_rollouts(cfg, output)
+    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "success_rate", "mean_reward", "mean_turns",
+                                          "format_error_rate", "invalid_action_rate", "wall_seconds")}])
+    typer.echo(f"wrote trajectories to {output}")
+
+
+@app.command("eval")
+def evaluate(
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. agent.max_new_tokens=32"),
+    checkpoint: Optional[str] = typer.Option(None, help="policy checkpoint folder ('default': the base model)"),
+    split: Optional[str] = typer.Option(None, help="evaluation split (seen, unseen, test, ...)"),
+    env: Optional[str] = typer.Option(None, help="environment (default: alfworld)"),
+    limit: Optional[int] = typer.Option(None, help="only the first N tasks (quick runs)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
+    output: Optional[Path] = typer.Option(None, help="output folder (default: runs/eval/ENV-SPLIT)"),
+) -> None:
+    """Evaluate a policy checkpoint: trajectories, metrics.json and a table."""
+    from qevolve.rollouts.run import run_eval
+
+    cfg = _rollout_config(config, overrides or [], checkpoint, split, env, limit, None)
+    output = output or Path("runs/eval") / f"{cfg.env}-{cfg.split}"
+    metrics = run_eval(cfg, output)
+    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "success_rate", "mean_reward", "mean_turns",
+                                          "format_error_rate", "invalid_action_rate", "env_steps", "wall_seconds",
+                                          "tokens_generated")}])
+    typer.echo(f"wrote {output / 'metrics.json'}")
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,111 @@
+"""``qevolve rollout`` and ``qevolve eval``: load a checkpoint, act on a split, write trajectories.
+
+Both write a sharded trajectory folder as episodes finish, so a killed run resumes where it
+stopped (episodes already in the shards are skipped). ``eval`` also writes ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from qevolve.buffer.store import Episode, read_episodes, shard_paths, write_shard
+from qevolve.config import StageConfig
+from qevolve.environments.play import list_tasks
+from qevolve.evaluation.metrics import episode_metrics
+from qevolve.evolve.run_dir import package_versions, write_json_atomic
+from qevolve.policy.model import ModelConfig, load_policy
+from qevolve.policy.prompts import PromptBuilder, PromptConfig
+from qevolve.rollouts.agent import AgentConfig, expand_jobs, run_agent
+from qevolve.rollouts.generation import HFGenerationBackend
+
+
+class RolloutConfig(StageConfig):
+    """Acting with a policy checkpoint on one split of one environment."""
+
+    env: str = Field("alfworld", description="environment name")
+    split: str = Field("train", description="task split (train, seen, unseen, or any the environment has)")
+    limit: int | None = Field(None, ge=1, description="only the first N tasks of the split (quick runs)")
+    task_stride: int = Field(1, ge=1, description="take every k-th task of the split (spreads a small --limit "
+                             "over task types, which ALFWorld lists grouped)")
+    episodes_per_task: int = Field(1, ge=1, description="episodes per task (N in the paper)")
+    shard_size: int = Field(50, ge=1, description="episodes per written shard (the unit of resume)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the acting policy")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (same as BC)")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="batching, decoding, format errors")
+    source: str = Field("self", description="label of the trajectories in the store")
+
+
+def select_tasks(tasks: list[str], stride: int, limit: int | None) -> list[str]:
+    picked = tasks[::stride]
+    return picked[:limit] if limit is not None else picked
+
+
+def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
+    """Act on the configured split; write shards into ``output`` (resumable). Returns metrics."""
+    output.mkdir(parents=True, exist_ok=True)
+    done_ids = {ep.episode_id for path in shard_paths(output) for ep in read_episodes(path)}
+    tasks = select_tasks(list_tasks(config.env, config.split), config.task_stride, config.limit)
+    jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
+            if job[0] not in done_ids]
+    if policy is None:
+        policy = load_policy(config.model, trainable=False)
+    builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
+    autocast = None
+    if policy.precision == "bf16-autocast":
+        import torch
+
+        autocast = torch.bfloat16
+    stop_ids = list(builder.formatter.eot_ids[-1:])
+    if policy.tokenizer.eos_token_id is not None:
+        stop_ids.append(policy.tokenizer.eos_token_id)
+    backend = HFGenerationBackend(policy.model, stop_ids, policy.tokenizer.pad_token_id or 0,
+                                  reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast)
+    shard_index = len(shard_paths(output))
+    pending: list[Episode] = []
+
+    def flush() -> None:
+        nonlocal shard_index
+        if pending:
+            write_shard(output, shard_index, pending, {"env": config.env, "split": config.split,
+                                                       "checkpoint": config.model.name_or_path})
+            shard_index += 1
+            pending.clear()
+
+    def on_episode(episode: Episode) -> None:
+        pending.append(episode)
+        if len(pending) >= config.shard_size:
+            flush()
+
+    result = run_agent(config.env, config.split, jobs, backend, builder, policy.tokenizer, config.agent,
+                       source=config.source, progress=progress, on_episode=on_episode)
+    flush()
+    episodes = read_episodes(output) if shard_paths(output) else []
+    metrics = episode_metrics(episodes, failed=len(result.failed))
+    metrics.update({
+        "env": config.env, "split": config.split, "wall_seconds": round(result.seconds, 1),
+        "generation_seconds": round(result.generation_seconds, 1), "env_seconds": round(result.env_seconds, 1),
+        "tokens_generated_this_run": result.tokens_generated,
+        "generated_tokens_per_second": round(result.tokens_generated / result.generation_seconds, 2)
+        if result.generation_seconds else 0.0,
+        "failed": [list(f) for f in result.failed],
+    })
+    return metrics
+
+
+def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
+    """Rollouts on an evaluation split plus ``metrics.json`` with the protocol recorded beside it."""
+    metrics = run_rollouts(config, output / "trajectories", progress, policy)
+    metrics["protocol"] = {"env": config.env, "split": config.split, "limit": config.limit,
+                           "task_stride": config.task_stride, "max_turns": config.agent.max_turns,
+                           "decoding": "greedy" if config.agent.temperature <= 0 else
+                           f"T={config.agent.temperature}, top_p={config.agent.top_p}",
+                           "checkpoint": config.model.name_or_path}
+    metrics["versions"] = package_versions()
+    metrics["date"] = time.strftime("%Y-%m-%d")
+    write_json_atomic(output / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,94 @@
+"""The agent loop with a tiny random policy on real ALFWorld games."""
+
+import pytest
+import torch
+
+from qevolve.buffer.store import read_episodes
+from qevolve.environments.play import list_tasks
+from qevolve.policy.model import ModelConfig, load_policy
+from qevolve.policy.prompts import PromptBuilder, PromptConfig, episode_segments
+from qevolve.rollouts.agent import AgentConfig, expand_jobs, run_agent
+from qevolve.rollouts.generation import HFGenerationBackend
+from qevolve.rollouts.run import RolloutConfig, run_eval
+
+pytestmark = pytest.mark.usefixtures("alfworld_installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_model_dir):
+    return load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"), trainable=False)
+
+
+def play(policy, tasks, batch_size, reuse_cache, max_turns=3, **agent_kwargs):
+    prompt = PromptConfig(max_prompt_tokens=1024, reserve_action_tokens=16)
+    builder = PromptBuilder.for_environment(policy.tokenizer, prompt, "alfworld")
+    backend = HFGenerationBackend(policy.model, builder.formatter.eot_ids[-1:], policy.tokenizer.pad_token_id,
+                                  reuse_cache=reuse_cache)
+    config = AgentConfig(batch_size=batch_size, num_workers=2, max_new_tokens=12, max_turns=max_turns,
+                         reuse_cache=reuse_cache, **agent_kwargs)
+    jobs = expand_jobs("alfworld", "seen", tasks, 1)
+    return run_agent("alfworld", "seen", jobs, backend, builder, policy.tokenizer, config, progress=False), builder
+
+
+def test_token_ids_decode_to_text_and_logprobs_match_a_fresh_pass(tiny_policy):
+    tasks = list_tasks("alfworld", "seen")[:2]
+    result, builder = play(tiny_policy, tasks, batch_size=2, reuse_cache=True)
+    assert not result.failed and len(result.episodes) == 2
+    eot = builder.formatter.eot_ids
+    for episode in result.episodes:
+        assert episode.num_turns == 3
+        for turn in episode.turns:
+            ids = turn.action_ids[:-len(eot)] if turn.action_ids[-len(eot):] == eot else turn.action_ids
+            assert tiny_policy.tokenizer.decode(ids, skip_special_tokens=False) == turn.agent_text
+            assert len(turn.action_logprobs) == len(turn.action_ids)
+        # Re-tokenising the stored episode with the same builder gives back the acting-time ids.
+        again = builder.tokenize(episode)
+        assert [t.context_ids for t in again.turns] == [t.context_ids for t in episode.turns]
+        # The recorded log-probs equal one plain forward pass over the whole conversation.
+        (segment,) = episode_segments(episode)
+        ids = torch.tensor([segment.trajectory.input_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_policy.model(input_ids=ids).logits[0].float(), -1)
+        for turn, (start, end) in zip(episode.turns, segment.trajectory.action_spans):
+            fresh = [float(logp[i - 1, ids[0, i]]) for i in range(start, end)]
+            assert turn.action_logprobs == pytest.approx(fresh, abs=2e-4)
+
+
+def test_batched_and_one_at_a_time_rollouts_take_the_same_actions(tiny_policy):
+    tasks = list_tasks("alfworld", "seen")[:4]
+    batched, _ = play(tiny_policy, tasks, batch_size=4, reuse_cache=True)
+    single, _ = play(tiny_policy, tasks, batch_size=1, reuse_cache=False)
+    by_id = {ep.episode_id: ep for ep in single.episodes}
+    for episode in batched.episodes:
+        other = by_id[episode.episode_id]
+        assert [t.action_ids for t in episode.turns] == [t.action_ids for t in other.turns]
+        assert [t.agent_text for t in episode.turns] == [t.agent_text for t in other.turns]
+
+
+def test_format_errors_are_recorded_and_the_episode_goes_on(tiny_policy):
+    (task,) = list_tasks("alfworld", "seen")[:1]
+    result, _ = play(tiny_policy, [task], batch_size=1, reuse_cache=True, max_turns=3)
+    (episode,) = result.episodes
+    # A random tiny model never writes "Action: ...": every turn is a format error, and the
+    # environment is not stepped, yet the episode runs to its turn limit.
+    assert episode.num_turns == 3
+    assert all(not t.format_valid and t.action is None for t in episode.turns)
+    assert all(t.info["env_stepped"] is False for t in episode.turns)
+    assert episode.turns[1].observation.startswith("Your reply was not in the required format")
+    noop, _ = play(tiny_policy, [task], batch_size=1, reuse_cache=True, max_turns=2, format_error_policy="noop")
+    assert all(t.info.get("env_stepped", True) for t in noop.episodes[0].turns)
+
+
+def test_eval_writes_trajectories_and_metrics(tiny_model_dir, tmp_path):
+    config = RolloutConfig(env="alfworld", split="unseen", limit=2, task_stride=10,
+                           model=ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),
+                           prompt=PromptConfig(max_prompt_tokens=1024, reserve_action_tokens=16),
+                           agent=AgentConfig(batch_size=2, max_new_tokens=8, max_turns=2), source="eval")
+    metrics = run_eval(config, tmp_path, progress=False)
+    assert metrics["episodes"] == 2 and metrics["success_rate"] == 0.0 and metrics["format_error_rate"] == 1.0
+    assert metrics["protocol"]["split"] == "unseen"
+    episodes = read_episodes(tmp_path / "trajectories")
+    assert sorted(ep.task_id for ep in episodes) == sorted(list_tasks("alfworld", "unseen")[::10][:2])
+    # A second run resumes: nothing left to play, same trajectories.
+    again = run_eval(config, tmp_path, progress=False)
+    assert again["episodes"] == 2 and len(read_episodes(tmp_path / "trajectories")) == 2
