@@ -256,6 +256,27 @@ def bc(
                    f"{result.eval_after['agent_nll']:.4f}")
 
 
+@app.command("policy")
+def policy_command(
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. objective.name=awr"),
+    buffer: Optional[Path] = typer.Option(None, "--buffer", help="labelled trajectory store (qevolve label)"),
+    init: Optional[str] = typer.Option(None, "--init", help="the policy that starts the phase (a checkpoint folder)"),
+    reference: Optional[str] = typer.Option(None, help="the BC policy of the KL term (default: --init)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML PolicyStageConfig"),
+) -> None:
+    """Behaviour-proximal PPO (or AWR) on a labelled buffer; writes OUTPUT_DIR/final (resumable)."""
+    from qevolve.config import load_config
+    from qevolve.policy.bppo import PolicyStageConfig, run_policy_update
+
+    extra = list(overrides or [])
+    for key, value in (("buffer_path", buffer), ("model.name_or_path", init), ("reference", reference)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    cfg = load_config(PolicyStageConfig, config, extra)
+    result = run_policy_update(cfg, log=typer.echo)
+    print_table([result.summary()])
+
+
 # ------------------------------------------------------------------------------ rollouts / eval
 
 

@@ -1,0 +1,297 @@
+"""Behaviour-proximal policy optimisation on a labelled buffer: ``qevolve policy``.
+
+Method section 6. The policy improves on the actions of the fixed buffer D only (expert and self
+turns alike), never on new environment interaction:
+
+    eta_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t)                       per token of agent turn t
+    J     = E_D[ min(eta_t A_t, clip(eta_t, 1 - eps_low, 1 + eps_high) A_t) ] - alpha KL(pi_theta || pi_ref)
+
+* ``pi_old`` is the policy that starts the phase (``model.name_or_path``, usually the policy that
+  collected D_self); its log-probs are computed once, before the first update, over every action
+  token of the buffer (expert turns have no stored acting log-probs, and recomputing keeps one
+  definition for all turns).
+* ``pi_ref`` is the behaviour-cloned policy (``reference``); its log-probs are computed once too.
+  In the first iteration pi_ref = pi_old and one pass serves both.
+* A_t is the turn's process reward from ``qevolve label`` (GAE over the critic's V by default),
+  applied to every token of the turn; optionally standardised over the buffer or per micro-batch.
+* The loss is averaged over action tokens; the objective is a registered name (``bppo`` or the
+  ``awr`` ablation), so swapping it is a config value.
+
+Training mechanics (packing, schedule, checkpoints, resume, TensorBoard) are those of behaviour
+cloning (:mod:`qevolve.policy.bc`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import Field
+from tqdm import tqdm
+
+from qevolve.buffer.store import Episode, read_episodes
+from qevolve.config import StageConfig
+from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches
+from qevolve.policy.bc import (
+    OptimConfig, _first_difference, _resume_fingerprint, _save_checkpoint, _Writer, cosine_schedule,
+    latest_checkpoint, load_checkpoint_weights, prepare_sequences,
+)
+from qevolve.policy.forward import target_logprobs
+from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
+from qevolve.policy.objectives import ObjectiveConfig, compute_objective
+from qevolve.policy.prompts import PromptBuilder, PromptConfig
+
+__all__ = ["PolicyStageConfig", "PolicyResult", "run_policy_update", "sequence_logprobs"]
+
+_RESUME_FREE_POLICY = {"progress", "tensorboard", "stop_after_steps", "save_every", "keep_checkpoints", "log_every",
+                       "resume", "output_dir", "save_final"}
+
+
+class PolicyStageConfig(StageConfig):
+    """Policy improvement on a labelled buffer: ``qevolve policy --buffer B --init C [key=value ...]``."""
+
+    env: str = Field("alfworld", description="environment: its instruction prompt is the system message")
+    buffer_path: str | None = Field(None, description="labelled trajectory store (advantages on every turn)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy that starts the phase "
+                               "(pi_old); a LoRA checkpoint keeps training its adapter")
+    reference: str | None = Field(None, description="the behaviour-cloned policy pi_ref of the KL term "
+                                  "(null: the starting policy, as in the first iteration)")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (as in BC/rollouts)")
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default) or awr")
+    standardize_advantages: Literal["none", "buffer", "batch"] = Field(
+        "batch", description="standardise advantages over the buffer's turns, per micro-batch's tokens, or not")
+    only_sources: list[str] | None = Field(None, description="train only on turns of these sources "
+                                           "(null: every turn of the buffer, expert and self)")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5),
+                               description="optimizer and schedule")
+    epochs: float = Field(1.0, gt=0.0, description="passes over the buffer's sequences")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps (overrides epochs)")
+    tokens_per_batch: int = Field(4096, ge=16, description="token budget of one micro-batch")
+    grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
+    batching: BatchMode = Field("pack", description="pack or bucket (see qevolve.policy.batching)")
+    output_dir: str = Field("runs/policy", description="checkpoints, TensorBoard logs and the final policy")
+    save_every: int = Field(50, ge=1, description="checkpoint every N optimizer steps (and at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="keep the newest N checkpoints")
+    log_every: int = Field(1, ge=1, description="TensorBoard scalars every N steps")
+    resume: bool = Field(True, description="continue from the newest checkpoint in output_dir")
+    seed: int = Field(0, description="seed of the batch order")
+    progress: bool = Field(True, description="show a progress bar")
+    tensorboard: bool = Field(True, description="write TensorBoard logs to output_dir/tensorboard")
+    save_final: bool = Field(True, description="save the final policy to output_dir/final")
+    stop_after_steps: int | None = Field(None, ge=1, description="stop after N steps without a final save "
+                                         "(tests the resume path)")
+
+
+@dataclass
+class PolicyResult:
+    steps: int
+    total_steps: int
+    interrupted: bool
+    sequences: int
+    action_tokens: int
+    seconds: float
+    final_dir: Path | None
+    stats: list[dict[str, float]] = field(default_factory=list)  # per optimizer step
+
+    def summary(self) -> dict[str, Any]:
+        last = self.stats[-1] if self.stats else {}
+        return {"steps": self.steps, "sequences": self.sequences, "action_tokens": self.action_tokens,
+                "seconds": round(self.seconds, 1), "final_dir": str(self.final_dir) if self.final_dir else None,
+                **{f"last_{k}": v for k, v in last.items()}}
+
+
+@torch.no_grad()
+def sequence_logprobs(policy: Policy, sequences: list[TrainSequence], tokens_per_batch: int,
+                      mode: BatchMode, progress: bool = False, desc: str = "scoring") -> list[torch.Tensor]:
+    """log pi(token) of every agent token of every sequence, in each sequence's target order."""
+    was_training = policy.model.training
+    policy.model.eval()
+    pad_id = policy.tokenizer.pad_token_id or 0
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    groups = plan_batches(sequences, tokens_per_batch, mode, seed=0, shuffle=False)
+    for group in tqdm(groups, desc=desc, unit="batch", disable=not progress):
+        batch = collate(sequences, group, mode, pad_id).to(policy.device)
+        with policy.autocast():
+            logp = target_logprobs(policy.model, batch).float().cpu()
+        offset = 0
+        for index in group:  # collate emits targets sequence by sequence, in group order
+            n = sequences[index].num_targets
+            out[index] = logp[offset:offset + n]
+            offset += n
+    if was_training:
+        policy.model.train()
+    return out  # type: ignore[return-value]
+
+
+def _turn_advantages(episodes: list[Episode], source: str) -> dict[tuple[int, int], float]:
+    table: dict[tuple[int, int], float] = {}
+    for e, ep in enumerate(episodes):
+        for t, turn in enumerate(ep.turns):
+            if turn.advantage is None:
+                raise ValueError(f"{source}: episode {ep.episode_id!r} turn {t} has no advantage; "
+                                 "label the buffer first (`qevolve label`)")
+            table[(e, t)] = float(turn.advantage)
+    return table
+
+
+def _standardize(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    if values.numel() < 2:
+        return values - values.mean()
+    return (values - values.mean()) / (values.std() + eps)
+
+
+def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = print) -> PolicyResult:
+    """One BPPO (or AWR) phase on the labelled buffer; resumable; returns per-step statistics."""
+    started = time.perf_counter()
+    if not config.buffer_path:
+        raise ValueError("buffer_path: a labelled trajectory store is required")
+    output_dir = Path(config.output_dir).expanduser()
+    checkpoint = latest_checkpoint(output_dir)
+    fingerprint = {k: v for k, v in _resume_fingerprint(config).items() if k not in _RESUME_FREE_POLICY}
+    resume_state: dict[str, Any] | None = None
+    if checkpoint is not None:
+        if not config.resume:
+            raise ValueError(f"output_dir {output_dir} already holds checkpoints; set resume=true or choose another")
+        resume_state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+        diff = _first_difference(resume_state["fingerprint"], fingerprint)
+        if diff:
+            raise ValueError(f"output_dir {output_dir}: its checkpoint was made with a different {diff!r}")
+
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    policy = load_policy(config.model, trainable=True)
+    builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
+    episodes = read_episodes(Path(config.buffer_path).expanduser())
+    if config.only_sources is not None:
+        episodes = [ep for ep in episodes if ep.source in set(config.only_sources)]
+    if not episodes:
+        raise ValueError(f"buffer_path {config.buffer_path}: no episodes to train on")
+    advantages = _turn_advantages(episodes, config.buffer_path)
+    max_length = getattr(unwrap_model(policy.model).config, "max_position_embeddings", None)
+    sequences = prepare_sequences(episodes, builder, max_length, config.buffer_path)
+    seq_adv = [torch.tensor([advantages[(s.episode, t)] for t in s.turns], dtype=torch.float32) for s in sequences]
+    if config.standardize_advantages == "buffer":
+        flat = _standardize(torch.cat([a for a in seq_adv]))
+        sizes = [len(a) for a in seq_adv]
+        seq_adv = list(torch.split(flat, sizes))
+    # per-token advantages in each sequence's target order (a turn's A on all its tokens)
+    token_adv = [torch.repeat_interleave(a, torch.tensor([end - start for start, end in s.spans]))
+                 for a, s in zip(seq_adv, sequences)]
+    action_tokens = sum(s.num_targets for s in sequences)
+
+    # pi_old and pi_ref log-probs, once, before any update.
+    progress = config.progress
+    if resume_state is not None:
+        old_logp, ref_logp = resume_state["old_logprobs"], resume_state["ref_logprobs"]
+    else:
+        old_logp = sequence_logprobs(policy, sequences, config.tokens_per_batch, config.batching, progress, "pi_old")
+        ref_logp = old_logp
+        if config.reference and Path(config.reference).expanduser() != Path(policy.source):
+            reference = load_policy(config.model.model_copy(update={"name_or_path": config.reference}), trainable=False)
+            ref_logp = sequence_logprobs(reference, sequences, config.tokens_per_batch, config.batching, progress,
+                                         "pi_ref")
+            del reference
+
+    def epoch_plan(epoch: int) -> list[list[int]]:
+        return plan_batches(sequences, config.tokens_per_batch, config.batching, seed=config.seed * 100003 + epoch)
+
+    micro_per_epoch = len(epoch_plan(0))
+    total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
+    warmup = config.optim.warmup_steps if config.optim.warmup_steps is not None else \
+        int(round(config.optim.warmup_ratio * total_steps))
+    log(f"policy ({config.objective.name}): {len(episodes)} episodes -> {len(sequences)} sequences, "
+        f"{action_tokens} action tokens; {total_steps} steps; model {policy.source} ({policy.precision})")
+    parameters = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(parameters, lr=config.optim.lr, betas=tuple(config.optim.betas),
+                                  eps=config.optim.eps, weight_decay=config.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(total_steps, warmup,
+                                                                             config.optim.min_lr_ratio))
+    start_step = 0
+    if resume_state is not None:
+        load_checkpoint_weights(policy, checkpoint)
+        optimizer.load_state_dict(resume_state["optimizer"])
+        scheduler.load_state_dict(resume_state["scheduler"])
+        torch.set_rng_state(resume_state["torch_rng"])
+        random.setstate(resume_state["python_rng"])
+        start_step = resume_state["step"]
+        log(f"policy: resumed from {checkpoint} at step {start_step}")
+
+    writer = _Writer(output_dir / "tensorboard" if config.tensorboard else None)
+    pad_id = policy.tokenizer.pad_token_id or 0
+    plans: dict[int, list[list[int]]] = {}
+
+    def micro_batch(k: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        epoch, index = divmod(k, micro_per_epoch)
+        if epoch not in plans:
+            plans.clear()
+            plans[epoch] = epoch_plan(epoch)
+        group = plans[epoch][index]
+        batch = collate(sequences, group, config.batching, pad_id)
+        old = torch.cat([old_logp[i] for i in group])
+        ref = torch.cat([ref_logp[i] for i in group])
+        adv = torch.cat([token_adv[i] for i in group])
+        return batch, old, ref, adv
+
+    stats_log: list[dict[str, float]] = []
+    interrupted = False
+    step = start_step
+    model = policy.model
+    model.train()
+    bar = tqdm(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
+               disable=not config.progress)
+    while step < total_steps:
+        if config.stop_after_steps is not None and step - start_step >= config.stop_after_steps:
+            interrupted = True
+            break
+        t0 = time.perf_counter()
+        batches = [micro_batch(step * config.grad_accum_steps + i) for i in range(config.grad_accum_steps)]
+        step_targets = sum(b[0].num_targets for b in batches)
+        step_stats: dict[str, float] = {}
+        for batch, old, ref, adv in batches:
+            batch = batch.to(policy.device)
+            if config.standardize_advantages == "batch":
+                adv = _standardize(adv)
+            with policy.autocast():
+                logp = target_logprobs(model, batch)
+            device = logp.device
+            out = compute_objective(config.objective, logp, old.to(device), ref.to(device), adv.to(device),
+                                    torch.ones_like(logp))
+            share = batch.num_targets / step_targets
+            # the objective averages over this micro-batch's tokens: weight it by its share of the step's
+            (out.loss * share).backward()
+            for key, value in out.stats.items():
+                step_stats[key] = step_stats.get(key, 0.0) + value * share
+        if config.optim.max_grad_norm is not None:
+            step_stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(parameters, config.optim.max_grad_norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        step_stats["tokens_per_second"] = sum(b[0].num_tokens for b in batches) / (time.perf_counter() - t0)
+        stats_log.append(step_stats)
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
+        if step % config.log_every == 0:
+            writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
+        if step % config.save_every == 0 or step == total_steps:
+            _save_checkpoint(policy, output_dir, step, {
+                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "fingerprint": fingerprint,
+                "old_logprobs": old_logp, "ref_logprobs": ref_logp,
+            }, config.keep_checkpoints)
+    bar.close()
+    writer.close()
+    final_dir = None
+    if not interrupted and config.save_final:
+        final_dir = policy.save(output_dir / "final", {"policy_steps": step, "objective": config.objective.name})
+    result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
+                          time.perf_counter() - started, final_dir, stats_log)
+    if not interrupted:
+        (output_dir / "policy_summary.json").write_text(json.dumps(result.summary(), indent=1, default=str))
+    return result
