@@ -337,6 +337,32 @@ def evaluate(
     typer.echo(f"wrote {output / 'metrics.json'}")
 
 
+# ---------------------------------------------------------------------------------------- evolve
+
+
+@app.command("evolve")
+def evolve(
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. iterations=2"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML EvolveConfig (e.g. configs/quickstart.yaml)"),
+    resume: bool = typer.Option(False, help="continue the run after its last completed stage"),
+    show_config: bool = typer.Option(False, "--show-config", help="print every field with its default and exit"),
+) -> None:
+    """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
+    from qevolve.config import describe_config, load_config
+    from qevolve.evolve.loop import EvolveConfig, run_evolve
+
+    if show_config:
+        print_table([{"field": n, "type": t, "default": d, "description": s}
+                     for n, t, d, s in describe_config(EvolveConfig)])
+        return
+    cfg = load_config(EvolveConfig, config, overrides or [])
+    started = time.time()
+    table = run_evolve(cfg, resume=resume, log=typer.echo)
+    typer.echo(f"\nsuccess rate ({cfg.env}; {', '.join(cfg.eval.splits)}), run {cfg.runs_dir}/{cfg.name}, "
+               f"{(time.time() - started) / 60:.1f} min:")
+    print_table(table)
+
+
 def main() -> None:
     try:
         app()

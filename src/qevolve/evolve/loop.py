@@ -1,0 +1,320 @@
+"""``qevolve evolve``: the whole Q-Evolve loop (method section 2, Algorithm 1), stage by stage.
+
+    pi <- BC(D_expert)                                        stage bc (or a given checkpoint)
+    evaluate pi on seen and unseen                            bc/eval_<split>
+    for k in 1..K:
+        D_self <- rollouts of pi on training tasks            iter_k/rollouts
+        D      <- D_expert U D_self (tokenised once)          iter_k/buffer
+        V, Q   <- weighted IQL on D with r_env + r_aux        iter_k/critic
+        A_t    <- process rewards from V (GAE on r_env)       iter_k/label
+        pi     <- BPPO on (s_t, a_t, A_t) of D                iter_k/policy
+        evaluate pi on seen and unseen                        iter_k/eval_<split>
+
+Every stage runs through :class:`qevolve.evolve.run_dir.RunDirectory`: it writes into a temporary
+folder that is renamed into ``runs/NAME/<stage>`` when it finishes, and the manifest records what
+it read, wrote and measured. ``--resume`` skips recorded stages, so a killed run loses at most the
+stage in progress. Every stage seeds its random generators from (seed, stage name), so a resumed
+run computes what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import Field
+
+from qevolve.buffer.store import Episode, read_episodes, write_episodes
+from qevolve.config import StageConfig
+from qevolve.critic.config import CriticConfig
+from qevolve.evolve.run_dir import RunDirectory
+from qevolve.policy.bc import BCConfig
+from qevolve.policy.bppo import PolicyStageConfig
+from qevolve.policy.model import ModelConfig
+from qevolve.policy.prompts import PromptConfig
+from qevolve.process_rewards.label import LabelConfig
+from qevolve.rollouts.agent import AgentConfig
+
+EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate", "episodes",
+             "failed_episodes", "env_steps", "tokens_generated")
+
+
+class RolloutSettings(StageConfig):
+    split: str = Field("train", description="tasks the policy collects D_self on")
+    limit: int | None = Field(None, ge=1, description="at most this many tasks (null: the whole split)")
+    task_stride: int = Field(1, ge=1, description="every k-th task of the split (spreads a small limit over task types)")
+    episodes_per_task: int = Field(1, ge=1, description="episodes per task")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="batching and decoding (greedy in the paper)")
+
+
+class EvalSettings(StageConfig):
+    splits: list[str] = Field(["seen", "unseen"], description="evaluation splits, after BC and after each iteration")
+    limit: int | None = Field(None, ge=1, description="at most this many tasks per split (null: all)")
+    task_stride: int = Field(1, ge=1, description="every k-th task of each split")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="batching and decoding (greedy)")
+
+
+class BufferSettings(StageConfig):
+    expert_path: str | None = Field(None, description="expert demonstrations (null: DATA_DIR/experts/ENV)")
+    num_expert: int | None = Field(None, ge=1, description="a seeded subset of this many expert episodes "
+                                   "(null: all); the same subset in every iteration")
+    self_data: Literal["refresh", "accumulate"] = Field(
+        "refresh", description="refresh: D_self is this iteration's rollouts (the paper); accumulate: all iterations'")
+    only_won_expert: bool = Field(True, description="keep only successful expert episodes")
+
+
+class EvolveConfig(StageConfig):
+    """The whole loop: ``qevolve evolve --config configs/quickstart.yaml [key=value ...]``."""
+
+    name: str = Field("run", description="run name: outputs go to RUNS_DIR/NAME")
+    runs_dir: str = Field("runs", description="folder of run directories")
+    env: str = Field("alfworld", description="environment")
+    seed: int = Field(0, description="seed of every stage (each stage derives its own from it)")
+    iterations: int = Field(1, ge=0, description="K, the number of self-evolving iterations")
+    init_checkpoint: str | None = Field(None, description="reuse this BC policy instead of training one")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null: torch's default)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the base policy model (BC starts from it)")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="one prompt config for BC, acting, "
+                                 "critic tokenisation and BPPO")
+    bc: BCConfig = Field(default_factory=BCConfig, description="behaviour cloning (its model, prompt, env and "
+                         "output_dir are set by the loop)")
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="collecting D_self")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="evaluation")
+    buffer: BufferSettings = Field(default_factory=BufferSettings, description="the hybrid buffer")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="weighted IQL critic (init is set by "
+                                 "critic_init unless given)")
+    critic_init: Literal["bc", "base"] = Field("bc", description="critic backbone: the BC policy or the base model")
+    label: LabelConfig = Field(default_factory=LabelConfig, description="process rewards")
+    policy: PolicyStageConfig = Field(default_factory=PolicyStageConfig, description="BPPO (its model, reference, "
+                                      "buffer and output_dir are set by the loop)")
+    tensorboard: bool = Field(True, description="TensorBoard scalars in RUNS_DIR/NAME/tensorboard")
+    wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb package)")
+    progress: bool = Field(True, description="progress bars")
+
+
+def stage_seed(seed: int, stage: str) -> int:
+    return int(hashlib.sha256(f"{seed}/{stage}".encode()).hexdigest()[:8], 16)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class _Loggers:
+    def __init__(self, config: EvolveConfig, root: Path):
+        self.tb = None
+        self.wandb = None
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(root / "tensorboard"))
+        if config.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("wandb: true needs the wandb package (pip install wandb)") from None
+            self.wandb = wandb.init(project="qevolve", name=config.name, config=config.model_dump(mode="json"))
+
+    def log(self, stage: str, iteration: int, metrics: dict[str, Any]) -> None:
+        scalars = {f"{stage.split('/', 1)[-1]}/{k}": float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, iteration)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({**scalars, "iteration": iteration})
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _iteration_of(stage: str) -> int:
+    return 0 if stage.startswith("bc") else int(stage.split("/")[0].split("_")[1])
+
+
+def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,
+               stop_before: str | None = None) -> dict[str, Any]:
+    """Run (or resume) the loop; returns the success-rate table. ``stop_before`` ends the run just
+    before the named stage starts (used to simulate a kill)."""
+    from qevolve.critic.train import load_critic, train_critic
+    from qevolve.paths import data_dir
+    from qevolve.policy.bc import run_bc
+    from qevolve.policy.bppo import run_policy_update
+    from qevolve.policy.model import load_policy
+    from qevolve.policy.prompts import PromptBuilder
+    from qevolve.process_rewards.label import label_episodes
+    from qevolve.rollouts.run import RolloutConfig, run_eval, run_rollouts
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    root = Path(config.runs_dir).expanduser() / config.name
+    run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume)
+    loggers = _Loggers(config, root)
+    results: dict[str, dict[str, float]] = {}
+
+    def rel(path: str) -> str:
+        """Paths inside the run are recorded relative to it, so the manifest does not depend on where it lives."""
+        try:
+            return str(Path(path).resolve().relative_to(root.resolve()))
+        except ValueError:
+            return path
+
+    def stage(name: str, inputs: dict[str, str], fn: Callable[[Path], tuple[dict[str, str], dict[str, Any]]]):
+        if stop_before == name and run.completed(name) is None:
+            raise KeyboardInterrupt(f"stopped before {name}")
+
+        def seeded(workdir: Path):
+            _seed_everything(stage_seed(config.seed, name))
+            outputs, metrics = fn(workdir)
+            # Wall-clock quantities go to timings, not into the manifest (it must be reproducible).
+            return outputs, {k: v for k, v in metrics.items() if "second" not in k and k != "final_dir"}
+
+        record = run.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log)
+        loggers.log(name, _iteration_of(name), record.metrics)
+        return record
+
+    def evaluate(prefix: str, policy_path: str) -> None:
+        for split in config.eval.splits:
+            def fn(workdir: Path, split=split):
+                rc = RolloutConfig(env=config.env, split=split, limit=config.eval.limit,
+                                   task_stride=config.eval.task_stride, model=config.model.model_copy(
+                                       update={"name_or_path": policy_path}),
+                                   prompt=config.prompt, agent=config.eval.agent, source="eval")
+                metrics = run_eval(rc, workdir, progress=config.progress)
+                return ({"trajectories": "trajectories", "metrics": "metrics.json"},
+                        {k: metrics[k] for k in EVAL_KEYS if k in metrics})
+            record = stage(f"{prefix}/eval_{split}", {"policy": policy_path}, fn)
+            results.setdefault(prefix, {})[split] = record.metrics["success_rate"]
+
+    try:
+        # -- behaviour cloning ------------------------------------------------------------------
+        def bc_stage(workdir: Path):
+            if config.init_checkpoint:
+                return {}, {"reused_checkpoint": 1}
+            bc_config = config.bc.model_copy(update={
+                "model": config.model, "prompt": config.prompt, "output_dir": str(workdir),
+                "data": config.bc.data.model_copy(update={"env": config.env}), "seed": config.seed,
+                "progress": config.progress, "resume": False})
+            result = run_bc(bc_config, log=log)
+            metrics = {"steps": result.steps, "train_tokens": result.train_tokens,
+                       "tokens_per_second": round(result.tokens_per_second, 1)}
+            for tag, values in (("before", result.eval_before), ("after", result.eval_after)):
+                if values:
+                    metrics[f"heldout_agent_nll_{tag}"] = values["agent_nll"]
+            return {"policy": "final"}, metrics
+
+        bc_record = stage("bc", {"experts": str(config.bc.data.train_path or "")}, bc_stage)
+        bc_policy = config.init_checkpoint or str(root / bc_record.outputs["policy"])
+        evaluate("bc", bc_policy)
+
+        # -- expert buffer (the same seeded subset in every iteration) ---------------------------
+        expert_path = Path(config.buffer.expert_path).expanduser() if config.buffer.expert_path else \
+            data_dir() / "experts" / config.env
+        policy_path = bc_policy
+        self_paths: list[str] = []
+        for k in range(1, config.iterations + 1):
+            it = f"iter_{k}"
+
+            def rollout_stage(workdir: Path, policy_path=policy_path):
+                rc = RolloutConfig(env=config.env, split=config.rollout.split, limit=config.rollout.limit,
+                                   task_stride=config.rollout.task_stride,
+                                   episodes_per_task=config.rollout.episodes_per_task,
+                                   model=config.model.model_copy(update={"name_or_path": policy_path}),
+                                   prompt=config.prompt, agent=config.rollout.agent, source="self")
+                metrics = run_rollouts(rc, workdir, progress=config.progress)
+                return {"trajectories": "."}, {k2: metrics[k2] for k2 in EVAL_KEYS if k2 in metrics}
+
+            rollouts = stage(f"{it}/rollouts", {"policy": policy_path}, rollout_stage)
+            self_paths = ([*self_paths, rollouts.outputs["trajectories"]]
+                          if config.buffer.self_data == "accumulate" else [rollouts.outputs["trajectories"]])
+
+            def buffer_stage(workdir: Path, self_paths=tuple(self_paths)):
+                experts = read_episodes(expert_path)
+                if config.buffer.only_won_expert:
+                    experts = [ep for ep in experts if ep.won]
+                if config.buffer.num_expert is not None and config.buffer.num_expert < len(experts):
+                    rng = random.Random(f"experts/{config.seed}")
+                    experts = sorted(rng.sample(experts, config.buffer.num_expert), key=lambda ep: ep.episode_id)
+                own = [ep for path in self_paths for ep in read_episodes(root / path)]
+                policy = load_policy(config.model.model_copy(update={"name_or_path": policy_path}), trainable=False)
+                builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
+                # Self turns keep their generated ids (token-in-token-out); expert turns are tokenised once here.
+                episodes = [builder.tokenize(ep) for ep in experts + own]
+                write_episodes(workdir / "buffer.parquet", episodes, {"env": config.env, "iteration": k})
+                return {"buffer": "buffer.parquet"}, {
+                    "expert_episodes": len(experts), "self_episodes": len(own),
+                    "self_success_rate": sum(ep.won for ep in own) / max(len(own), 1),
+                    "turns": sum(ep.num_turns for ep in episodes)}
+
+            buffer = stage(f"{it}/buffer", {"experts": str(expert_path), "self": ",".join(self_paths)}, buffer_stage)
+
+            critic_init = config.critic.init or (bc_policy if config.critic_init == "bc" else None)
+
+            def critic_stage(workdir: Path, buffer_path=buffer.outputs["buffer"]):
+                critic_config = config.critic.model_copy(update={"init": critic_init, "seed": config.seed})
+                summary = train_critic(read_episodes(root / buffer_path), critic_config, workdir, restart=True,
+                                       progress=config.progress, log=log)
+                last = summary["history"][-1] if summary["history"] else {}
+                return {"critic": "."}, {key: value for key, value in last.items()
+                                         if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+            critic = stage(f"{it}/critic", {"buffer": buffer.outputs["buffer"]}, critic_stage)
+
+            def label_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_path=critic.outputs["critic"]):
+                model = load_critic(root / critic_path, device=config.label.device)
+                episodes, summary = label_episodes(read_episodes(root / buffer_path), model, config.label,
+                                                   progress=config.progress)
+                write_episodes(workdir / "labelled.parquet", episodes, {"env": config.env, "iteration": k})
+                won = [t.advantage for ep in episodes if ep.won for t in ep.turns]
+                lost = [t.advantage for ep in episodes if not ep.won for t in ep.turns]
+                summary["advantage_mean_won"] = sum(won) / len(won) if won else float("nan")
+                summary["advantage_mean_lost"] = sum(lost) / len(lost) if lost else float("nan")
+                return {"labelled": "labelled.parquet"}, {key: value for key, value in summary.items()
+                                                          if isinstance(value, (int, float))}
+
+            labelled = stage(f"{it}/label", {"buffer": buffer.outputs["buffer"], "critic": critic.outputs["critic"]},
+                             label_stage)
+
+            def policy_stage(workdir: Path, labelled_path=labelled.outputs["labelled"], start=policy_path):
+                policy_config = config.policy.model_copy(update={
+                    "env": config.env, "buffer_path": str(root / labelled_path),
+                    "model": config.model.model_copy(update={"name_or_path": start}),
+                    "reference": bc_policy, "prompt": config.prompt, "output_dir": str(workdir),
+                    "seed": config.seed, "progress": config.progress, "resume": False})
+                result = run_policy_update(policy_config, log=log)
+                summary = result.summary()
+                return {"policy": "final"}, {key: value for key, value in summary.items()
+                                             if isinstance(value, (int, float))}
+
+            updated = stage(f"{it}/policy", {"labelled": labelled.outputs["labelled"], "start": policy_path},
+                            policy_stage)
+            policy_path = str(root / updated.outputs["policy"])
+            evaluate(it, policy_path)
+    finally:
+        loggers.close()
+
+    table = success_table(run.manifest["stages"], config.eval.splits)
+    (root / "results.json").write_text(json.dumps(table, indent=1))
+    return table
+
+
+def success_table(stages: list[dict[str, Any]], splits: list[str]) -> list[dict[str, Any]]:
+    """Rows ``{"policy": "BC" | "Q-Evolve iter k", <split>: success rate}`` from the manifest."""
+    rows: dict[str, dict[str, Any]] = {}
+    for stage in stages:
+        name = stage["name"]
+        prefix, _, leaf = name.rpartition("/")
+        if not leaf.startswith("eval_"):
+            continue
+        label = "BC" if prefix == "bc" else f"Q-Evolve iter {prefix.split('_')[1]}"
+        rows.setdefault(label, {"policy": label})[leaf[len("eval_"):]] = stage["metrics"].get("success_rate")
+    return list(rows.values())

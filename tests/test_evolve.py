@@ -1,0 +1,87 @@
+"""The whole loop end to end on real ALFWorld games with a tiny policy (K = 2), and its resume."""
+
+import json
+
+import pytest
+
+from qevolve.buffer.store import read_episodes, write_episodes
+from qevolve.config import ConfigError, load_config
+from qevolve.evolve.loop import EvolveConfig, run_evolve
+
+pytestmark = pytest.mark.usefixtures("alfworld_installed")
+
+
+def tiny_config(tmp_path, experts_path, model_dir, name="tiny"):
+    overrides = [
+        f"name={name}", f"runs_dir={tmp_path / 'runs'}", "iterations=2", "progress=false", "num_threads=1",
+        f"model.name_or_path={model_dir}", "model.precision=fp32", "model.device=cpu",
+        "prompt.max_prompt_tokens=1024", "prompt.reserve_action_tokens=16",
+        f"bc.data.train_path={experts_path}", "bc.max_steps=2", "bc.grad_accum_steps=1", "bc.tokens_per_batch=2048",
+        "bc.tensorboard=false",
+        "rollout.limit=2", "rollout.task_stride=500", "rollout.agent.max_turns=2", "rollout.agent.max_new_tokens=8",
+        "eval.limit=1", "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8",
+        f"buffer.expert_path={experts_path}",
+        "critic.epochs=2", "critic.feature_cache=false", "critic.head_hidden=16", "critic.device=cpu",
+        "policy.max_steps=1", "policy.grad_accum_steps=1", "policy.tokens_per_batch=2048", "policy.tensorboard=false",
+    ]
+    return load_config(EvolveConfig, None, overrides)
+
+
+@pytest.fixture(scope="module")
+def experts_path(alfworld_experts, tmp_path_factory):
+    path = tmp_path_factory.mktemp("experts") / "experts.parquet"
+    write_episodes(path, alfworld_experts)
+    return path
+
+
+def test_two_iterations_end_to_end_and_resume_after_a_kill_in_the_critic(experts_path, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    config = tiny_config(tmp_path / "a", experts_path, tiny_model_dir)
+    table = run_evolve(config, log=lambda m: None)
+    root = tmp_path / "a" / "runs" / "tiny"
+    manifest = json.loads((root / "manifest.json").read_text())
+    names = [s["name"] for s in manifest["stages"]]
+    assert names == ["bc", "bc/eval_seen", "bc/eval_unseen"] + [
+        f"iter_{k}/{stage}" for k in (1, 2) for stage in
+        ("rollouts", "buffer", "critic", "label", "policy", "eval_seen", "eval_unseen")]
+    assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "Q-Evolve iter 2"]
+    labelled = read_episodes(root / "iter_2/label/labelled.parquet")
+    assert {ep.source for ep in labelled} == {"expert", "self"}
+    assert all(t.advantage is not None and t.value is not None and t.r_aux is not None
+               for ep in labelled for t in ep.turns)
+    assert (root / "iter_2/policy/final/adapter_config.json").is_file()
+    assert len((root / "metrics.jsonl").read_text().splitlines()) == len(names)
+
+    # Same run, killed inside iteration 1's critic stage, then resumed.
+    import qevolve.critic.train as critic_train
+
+    real = critic_train.train_critic
+
+    def killed(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt("killed during the critic stage")
+
+    monkeypatch.setattr(critic_train, "train_critic", killed)
+    config_b = tiny_config(tmp_path / "b", experts_path, tiny_model_dir)
+    with pytest.raises(KeyboardInterrupt):
+        run_evolve(config_b, log=lambda m: None)
+    root_b = tmp_path / "b" / "runs" / "tiny"
+    done = [s["name"] for s in json.loads((root_b / "manifest.json").read_text())["stages"]]
+    assert done[-1] == "iter_1/buffer" and not (root_b / "iter_1/critic").exists()
+    monkeypatch.setattr(critic_train, "train_critic", real)
+    with pytest.raises(Exception, match="pass --resume"):
+        run_evolve(config_b, log=lambda m: None)
+    run_evolve(config_b, resume=True, log=lambda m: None)
+    manifest_b = json.loads((root_b / "manifest.json").read_text())
+    for key in ("stages", "seed", "versions"):
+        assert manifest_b[key] == manifest[key], key
+    assert {k: v for k, v in manifest_b["config"].items() if k != "runs_dir"} == \
+           {k: v for k, v in manifest["config"].items() if k != "runs_dir"}
+
+
+def test_bad_config_fails_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="unknown field 'critic.epoch'"):
+        load_config(EvolveConfig, None, ["critic.epoch=3"])
+    with pytest.raises(ConfigError, match="field 'iterations'"):
+        load_config(EvolveConfig, None, ["iterations=two"])
+    assert not (tmp_path / "runs").exists()
