@@ -124,7 +124,11 @@ def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) ->
             envs[slot] = make_environment(env_name, **env_kwargs)
         return envs[slot]
 
+    parent = os.getppid()
+
     def tick(kind: str) -> None:
+        if os.getppid() != parent:  # the caller died (e.g. SIGKILL): stop instead of playing on as an orphan
+            raise SystemExit(0)
         conn.send(("tick", kind))  # a heartbeat: it renews the caller's per-step deadline
 
     try:
