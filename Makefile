@@ -4,8 +4,12 @@
 setup:
 	bash scripts/setup.sh
 
+# The main job: one Q-Evolve iteration on a subset of ALFWorld with the embedded model (see configs/quickstart.yaml).
+# Every step is idempotent or resumable: running it again continues where it stopped.
 quickstart: setup
-	.venv/bin/qevolve env play alfworld --split unseen --policy walkthrough
+	.venv/bin/qevolve model install
+	.venv/bin/qevolve data expert alfworld --limit 256
+	.venv/bin/qevolve evolve --config configs/quickstart.yaml --resume
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -85,3 +85,17 @@ def test_bad_config_fails_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="field 'iterations'"):
         load_config(EvolveConfig, None, ["iterations=two"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_shipped_evolve_config_loads():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = [root / "quickstart.yaml", root / "alfworld.yaml", *sorted((root / "ablations").glob("*.yaml"))]
+    assert len(files) == 11
+    configs = {f.stem: load_config(EvolveConfig, f) for f in files}
+    assert configs["plain_iql"].critic.iql.weighting.scheme == "plain"
+    assert configs["awr"].policy.objective.name == "awr"
+    assert configs["no_rr"].critic.retrospective.enabled is False
+    assert {configs[f"adv_{e}"].label.estimator for e in ("gae_env", "gae_env_aux", "td1", "q_minus_v")} == \
+           {"gae_env", "gae_env_aux", "td1", "q_minus_v"}

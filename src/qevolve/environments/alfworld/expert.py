@@ -54,13 +54,30 @@ def load_gt_trajectories(split: str = "train", data_root: str | Path | None = No
     return sources
 
 
+def interleave_task_types(sources: list[ExpertSource]) -> list[ExpertSource]:
+    """Round-robin over the six task types (each in path order), so that any prefix of the list, and so
+    a partly built or ``--limit``-ed expert set, covers every task type in proportion."""
+    from qevolve.environments.alfworld.env import task_type
+
+    by_type: dict[str, list[ExpertSource]] = {}
+    for source in sources:
+        by_type.setdefault(task_type(source.task_id), []).append(source)
+    total = len(sources)
+    # Spread each type evenly over [0, 1) and merge by position: proportional, deterministic.
+    keyed = [((i + 0.5) / len(group), kind, i, s) for kind, group in sorted(by_type.items())
+             for i, s in enumerate(group)]
+    keyed.sort(key=lambda item: (item[0], item[1], item[2]))
+    assert len(keyed) == total
+    return [item[3] for item in keyed]
+
+
 def alfworld_expert_jobs(split: str = "train", data_root: str | Path | None = None,
                          limit: int | None = None):
     """Episode jobs replaying every usable demonstration of ``split``, plus the dropped ones."""
     from qevolve.environments.pool import EpisodeJob
     from qevolve.environments.policies import ReplayPolicy
 
-    sources = load_gt_trajectories(split, data_root)
+    sources = interleave_task_types(load_gt_trajectories(split, data_root))
     if limit is not None:
         sources = sources[:limit]
     jobs = [EpisodeJob(s.task_id, ReplayPolicy(s.actions), split=split, max_turns=len(s.actions))
