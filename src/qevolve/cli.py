@@ -97,7 +97,7 @@ def data_expert(
     shard_size: int = typer.Option(200, help="episodes per Parquet shard (the unit of resume)"),
 ) -> None:
     """Replay expert demonstrations in the real environment and keep the successful ones (resumable)."""
-    from qevolve.environments.experts import expert_task_type, generate_experts, get_expert_source
+    from qevolve.environments.experts import expert_retries, expert_task_type, generate_experts, get_expert_source
     from qevolve.paths import data_dir
 
     source_fn = get_expert_source(env)
@@ -105,11 +105,13 @@ def data_expert(
     output = output or data_dir() / "experts" / env
     typer.echo(f"{env}: {len(jobs)} demonstrations to replay ({len(dropped)} unusable) -> {output}")
     report = generate_experts(env, output, jobs, dropped, {"split": split}, num_workers=workers,
-                              shard_size=shard_size, task_type=expert_task_type(env))
+                              shard_size=shard_size, task_type=expert_task_type(env), retries=expert_retries(env))
     summary = report.as_dict()
     (output / "report.json").write_text(json.dumps(summary, indent=1))
     typer.echo(f"kept {report.kept} won demonstrations; dropped: {dict(report.dropped) or 'none'}")
     print_table([{"task_type": k, "kept": v[0], "tried": v[1]} for k, v in sorted(report.per_task_type.items())])
+    if report.retried:
+        typer.echo(f"{report.retried} extra attempts of tasks with random dynamics")
     typer.echo(f"{report.env_steps} env steps in {report.seconds:.0f} s "
                f"({summary['steps_per_second']} steps/s, {workers} workers)")
 

@@ -4,7 +4,9 @@ Each environment registers an *expert source*: a function that returns the episo
 (with a worker-side policy each) and the tasks it had to drop with a reason. The generic runner
 plays them on all workers, keeps only episodes that meet the environment's bar (won), writes the
 store shard by shard (atomically) and resumes after a crash by skipping the tasks already in the
-shards. It reports how many were kept and why the others were dropped.
+shards. It reports how many were kept and why the others were dropped. A source may also give
+tasks extra attempts (``retries``): an environment with random dynamics replays a task whose
+episode was not kept, up to that many more times, before dropping it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ from qevolve.environments.pool import EnvPool, EpisodeJob
 ExpertSourceFn = Callable[..., tuple[list[EpisodeJob], list[tuple[str, str]]]]
 _EXPERT_SOURCES: dict[str, ExpertSourceFn] = {}
 _TASK_TYPES: dict[str, Callable[[str], str]] = {}
+_RETRIES: dict[str, Callable[[str], int]] = {}
 
 
-def register_expert_source(env_name: str, task_type: Callable[[str], str] | None = None):
-    """Register ``fn(split=..., limit=...) -> (jobs, dropped)``; ``task_type`` groups the report."""
+def register_expert_source(env_name: str, task_type: Callable[[str], str] | None = None,
+                           retries: Callable[[str], int] | None = None):
+    """Register ``fn(split=..., limit=...) -> (jobs, dropped)``; ``task_type`` groups the report,
+    ``retries(task_id)`` is how many more attempts a task gets when its episode is not kept."""
     def _register(fn: ExpertSourceFn) -> ExpertSourceFn:
         _EXPERT_SOURCES[env_name] = fn
         if task_type is not None:
             _TASK_TYPES[env_name] = task_type
+        if retries is not None:
+            _RETRIES[env_name] = retries
         return fn
     return _register
 
@@ -39,6 +46,11 @@ def register_expert_source(env_name: str, task_type: Callable[[str], str] | None
 def expert_task_type(env_name: str) -> Callable[[str], str]:
     get_expert_source(env_name)
     return _TASK_TYPES.get(env_name, lambda task_id: "all")
+
+
+def expert_retries(env_name: str) -> Callable[[str], int]:
+    get_expert_source(env_name)
+    return _RETRIES.get(env_name, lambda task_id: 0)
 
 
 def get_expert_source(env_name: str) -> ExpertSourceFn:
@@ -57,9 +69,11 @@ class ExpertReport:
     per_task_type: dict[str, list[int]] = field(default_factory=dict)  # type -> [kept, tried]
     seconds: float = 0.0
     env_steps: int = 0
+    retried: int = 0  # extra attempts played (see ``retries``)
 
     def as_dict(self) -> dict[str, Any]:
         return {"kept": self.kept, "dropped": dict(self.dropped), "per_task_type": self.per_task_type,
+                "retried": self.retried,
                 "seconds": round(self.seconds, 1), "env_steps": self.env_steps,
                 "steps_per_second": round(self.env_steps / self.seconds, 2) if self.seconds else None}
 
@@ -68,9 +82,15 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
                      env_kwargs: dict[str, Any], num_workers: int = 2, shard_size: int = 200,
                      keep: Callable[[Episode], str | None] | None = None,
                      task_type: Callable[[str], str] = lambda task_id: "all",
-                     step_timeout: float = 60.0, progress: bool = True) -> ExpertReport:
-    """Play ``jobs`` and write the kept episodes as shards of ``output`` (a folder). Resumable."""
+                     step_timeout: float = 60.0, progress: bool = True,
+                     retries: Callable[[str], int] | int = 0) -> ExpertReport:
+    """Play ``jobs`` and write the kept episodes as shards of ``output`` (a folder). Resumable.
+
+    A task whose episode is not kept is played again up to ``retries`` (a count, or a function of
+    the task id) more times; only its last attempt is recorded as attempted.
+    """
     keep = keep or (lambda ep: None if ep.won else "not won")
+    retries_of = retries if callable(retries) else (lambda task_id: int(retries))
     output.mkdir(parents=True, exist_ok=True)
     done_path = output / "attempted.json"
     # Resume: tasks already attempted (kept or dropped) are skipped.
@@ -101,27 +121,37 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
 
     started = time.perf_counter()
     bar = tqdm(total=len(todo), desc=f"{env_name} experts", unit="ep", disable=not progress)
+    extra_attempts: collections.Counter = collections.Counter()
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
-        for outcome in pool.run_episodes(todo):
-            kind = task_type(outcome.job.task_id)
-            counts = report.per_task_type.setdefault(kind, [0, 0])
-            counts[1] += 1
-            report.env_steps += outcome.steps
-            if outcome.failed:
-                reason = f"failed: {outcome.error.splitlines()[0][:80]}"
-            else:
-                reason = keep(outcome.episode)
-            if reason is None:
-                buffer.append(outcome.episode)
-                report.kept += 1
-                counts[0] += 1
-            else:
-                report.dropped[reason] += 1
-            pending_attempts[outcome.job.task_id] = reason
-            bar.update(1)
-            bar.set_postfix(kept=report.kept, dropped=sum(report.dropped.values()))
-            if len(buffer) >= shard_size:
-                flush()
+        round_jobs = todo
+        while round_jobs:  # a second round replays the tasks that asked for another attempt
+            retry_jobs: list[EpisodeJob] = []
+            for outcome in pool.run_episodes(round_jobs):
+                report.env_steps += outcome.steps
+                if outcome.failed:
+                    reason = f"failed: {outcome.error.splitlines()[0][:80]}"
+                else:
+                    reason = keep(outcome.episode)
+                task_id = outcome.job.task_id
+                if reason is not None and extra_attempts[task_id] < retries_of(task_id):
+                    extra_attempts[task_id] += 1
+                    report.retried += 1
+                    retry_jobs.append(outcome.job)
+                    continue
+                counts = report.per_task_type.setdefault(task_type(task_id), [0, 0])
+                counts[1] += 1
+                if reason is None:
+                    buffer.append(outcome.episode)
+                    report.kept += 1
+                    counts[0] += 1
+                else:
+                    report.dropped[reason] += 1
+                pending_attempts[task_id] = reason
+                bar.update(1)
+                bar.set_postfix(kept=report.kept, dropped=sum(report.dropped.values()), retried=report.retried)
+                if len(buffer) >= shard_size:
+                    flush()
+            round_jobs = retry_jobs
     flush()
     bar.close()
     report.seconds = time.perf_counter() - started

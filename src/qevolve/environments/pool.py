@@ -40,6 +40,9 @@ class EpisodePolicy:
     #: label written to the trajectory store's ``source`` column
     source: str = "policy"
 
+    def prepare(self, env: Environment, task_id: str) -> None:
+        """Called before reset (e.g. to ask the environment to generate its expert plan on load)."""
+
     def start(self, env: Environment, task_id: str, observation: str) -> None:
         """Called after reset."""
 
@@ -78,6 +81,7 @@ class EpisodeOutcome:
 def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None) -> Episode:
     """Play one episode of ``job`` with its worker-side policy and record it."""
     started = time.perf_counter()
+    job.policy.prepare(env, job.task_id)
     observation = env.reset(job.task_id)
     if on_step:
         on_step("reset")
