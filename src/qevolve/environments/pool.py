@@ -322,7 +322,10 @@ class EnvPool:
         per_worker: dict[int, deque[int]] = {}
         for slot, command, payload in commands:
             index = self._worker_of(slot)
-            self._workers[index].conn.send((command, slot, payload))
+            try:
+                self._workers[index].conn.send((command, slot, payload))
+            except OSError:  # the worker died since the last round: its sentinel reports it below
+                pass
             self._workers[index].slots.add(slot)
             per_worker.setdefault(index, deque()).append(slot)
         replies: dict[int, tuple[str, Any]] = {}
