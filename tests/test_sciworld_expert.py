@@ -70,8 +70,8 @@ def test_mendelian_gold_path_with_retries(tmp_path):
     job = EpisodeJob(task, GoldPathPolicy(), split="official_train", max_turns=GOLD_MAX_TURNS)
     report = generate_experts("sciworld", tmp_path, [job], [], {"split": "official_train"}, num_workers=1,
                               retries=expert_retries("sciworld"), progress=False)
-    assert report.kept + sum(report.dropped.values()) == 1
-    assert report.retried <= STOCHASTIC_RETRIES
-    if report.kept:
-        (episode,) = read_episodes(tmp_path)
-        assert episode.won and episode.num_turns > 50
+    # 20 of 20 gold replays of these tasks reached 100 when measured, so 5 attempts all failing
+    # would point at a real problem, not bad luck.
+    assert report.kept == 1 and report.retried <= STOCHASTIC_RETRIES
+    (episode,) = read_episodes(tmp_path)
+    assert episode.won and episode.num_turns > 50 and episode.split == "official_train"
