@@ -10,15 +10,24 @@ from pathlib import Path
 import pytest
 
 from qevolve.config import ConfigError
-from qevolve.data.install import is_installed
+from qevolve.data.install import install, is_installed
 from qevolve.environments.base import make_environment
 from qevolve.environments.pool import EnvPool
 from qevolve.environments.sciworld import java as java_check
 from qevolve.environments.sciworld.env import is_invalid_answer
 from qevolve.environments.sciworld.tasks import TASK_NAMES, eto_max_turns, eto_tasks, parse_task_id, task_type
 
-if not is_installed("sciworld"):
-    pytest.fail("the ScienceWorld ETO lists are not installed: run `qevolve data install sciworld`", pytrace=False)
+from qevolve.paths import shared_data_dir
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sciworld_installed():
+    """ETO's task lists, installed from ../shared/data into the data directory once."""
+    if not is_installed("sciworld"):
+        if shared_data_dir() is None:
+            pytest.fail("ScienceWorld lists are not installed and ../shared/data is missing: "
+                        "run `qevolve data install sciworld`")
+        install(["sciworld"])
 
 
 def jvm_alive(pid: int) -> bool:

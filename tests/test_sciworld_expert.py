@@ -12,6 +12,8 @@ from qevolve.environments.experts import expert_retries, expert_task_type, gener
 from qevolve.environments.pool import EpisodeJob
 from qevolve.environments.sciworld.expert import GOLD_MAX_TURNS, RETRIES, STOCHASTIC_RETRIES, GoldPathPolicy
 
+from test_sciworld import sciworld_installed  # noqa: F401  (autouse: installs ETO's lists if needed)
+
 
 def test_expert_source_is_registered_with_retries_for_stochastic_tasks():
     source = get_expert_source("sciworld")

@@ -266,7 +266,10 @@ class EnvPool:
             for index in range(self.num_workers):
                 if index not in running and queue:
                     job = queue.popleft()
-                    self._workers[index].conn.send(("episode", -1, job))
+                    try:
+                        self._workers[index].conn.send(("episode", -1, job))
+                    except OSError:  # a dead worker: the death check below fails this job, replaces it
+                        pass
                     now = time.monotonic()
                     running[index] = (job, now + self.reset_timeout, now, 0)
             yield from self._collect_episodes(running)
