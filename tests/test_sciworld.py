@@ -115,6 +115,8 @@ def test_java_check(tmp_path):
     old.chmod(0o755)
     with pytest.raises(java_check.JavaNotFoundError, match="Java 8 or newer.*is Java 7"):
         java_check.check_java(str(old))
+    with pytest.raises(FileNotFoundError, match="needs a Java runtime"):  # a user error for the CLI
+        make_environment("sciworld", java_path=str(tmp_path / "no-java"))
 
 
 # --------------------------------------------------------------------------- one simulator

@@ -31,7 +31,6 @@ from pydantic import Field
 
 from qevolve.config import StageConfig, build_config
 from qevolve.environments.base import Environment, StepResult, register_environment
-from qevolve.environments.sciworld.java import check_java
 from qevolve.environments.sciworld.prompt import SCIWORLD_INSTRUCTION
 from qevolve.environments.sciworld.tasks import (
     ETO_SPLITS, OFFICIAL_SPLITS, SPLITS, TASK_NAMES, eto_max_turns, eto_tasks, parse_task_id, task_id,
@@ -109,6 +108,11 @@ class SciWorldEnv(Environment):
         for name in self.config.task_names or []:
             if name not in TASK_NAMES:
                 raise ValueError(f"sciworld task_names: unknown task {name!r}; known: {', '.join(TASK_NAMES)}")
+        from qevolve.environments.sciworld.java import check_java  # lazy: see the package docstring
+
+        # Checked here, in whichever process builds the environment, so a missing Java runtime is
+        # one clear error before any work starts (not a failure of every episode in the workers).
+        self._java = check_java(self.config.java_path).path
         self._simulator = None  # the package's ScienceWorldEnv, started on first use
         self._max_variations: dict[str, int] = {}
         self._official: dict[str, list[str]] = {}
@@ -129,8 +133,7 @@ class SciWorldEnv(Environment):
         if self._simulator is not None and self._simulator._gateway.java_process.poll() is not None:
             self._discard_simulator()  # the JVM died: start a fresh one
         if self._simulator is None:
-            runtime = check_java(self.config.java_path)
-            self._simulator = start_simulator(self.config.jvm_heap_mb, self.config.jvm_options, runtime.path)
+            self._simulator = start_simulator(self.config.jvm_heap_mb, self.config.jvm_options, self._java)
         return self._simulator
 
     @property

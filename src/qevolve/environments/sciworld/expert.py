@@ -53,8 +53,10 @@ def sciworld_expert_jobs(split: str = "train", limit: int | None = None, data_ro
 
     Returns ``(jobs, dropped)``; nothing is dropped before playing (every variation has a gold path).
     """
+    from qevolve.environments.sciworld.java import check_java
     from qevolve.environments.sciworld.tasks import ETO_SPLITS
 
+    check_java()  # one clear error here rather than every episode failing in the workers
     if split in ETO_SPLITS:
         ids = eto_tasks(split, data_root)
     else:

@@ -22,8 +22,9 @@ MIN_JAVA_MAJOR = 8  # the simulator's classes are compiled for Java 8 (class fil
 DEBIAN_INSTALL_COMMAND = "apt-get install -y default-jre-headless"
 
 
-class JavaNotFoundError(RuntimeError):
-    """No usable Java runtime: ScienceWorld cannot start its simulator."""
+class JavaNotFoundError(FileNotFoundError):
+    """No usable Java runtime: ScienceWorld cannot start its simulator (a user error: the CLI
+    prints the one-line message and exits 2)."""
 
 
 @dataclass(frozen=True)
