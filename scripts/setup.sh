@@ -25,13 +25,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# ScienceWorld needs a Java runtime (>= 11).
-if ! command -v java >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "setup: installing a Java runtime for ScienceWorld (default-jre-headless)"
-    apt-get update -qq && apt-get install -y -qq default-jre-headless >/dev/null
+# ScienceWorld needs a Java runtime (>= 11): install it where we can, else say what to do.
+if ! python -m qevolve.environments.sciworld.java >/dev/null 2>&1; then
+  install_cmd=$(python -m qevolve.environments.sciworld.java --install-command 2>/dev/null || true)
+  if [ -n "$install_cmd" ] && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing a Java runtime for ScienceWorld ($install_cmd)"
+    apt-get update -qq && $install_cmd >/dev/null
   else
-    echo "setup: warning: no 'java' on PATH; ScienceWorld needs a Java runtime (e.g. apt-get install default-jre-headless)" >&2
+    python -m qevolve.environments.sciworld.java || true  # prints the one-line reason
+    echo "setup: warning: ScienceWorld will not run until a Java runtime (>= 11) is installed" >&2
   fi
 fi
 
