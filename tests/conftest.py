@@ -18,13 +18,25 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def ensure_installed(name: str) -> None:
+    if not is_installed(name):
+        if shared_data_dir() is None:
+            pytest.fail(f"{name} data is not installed and ../shared/data is missing: run `qevolve data install {name}`")
+        install([name])
+
+
 @pytest.fixture(scope="session")
 def alfworld_installed():
     """The real ALFWorld games, installed from ../shared/data into the data directory once."""
-    if not is_installed("alfworld"):
-        if shared_data_dir() is None:
-            pytest.fail("ALFWorld data is not installed and ../shared/data is missing: run `qevolve data install alfworld`")
-        install(["alfworld"])
+    ensure_installed("alfworld")
+    return True
+
+
+@pytest.fixture(scope="session")
+def all_data_installed():
+    """ALFWorld, WebShop and the ScienceWorld task lists, installed once."""
+    for name in ("alfworld", "webshop", "sciworld"):
+        ensure_installed(name)
     return True
 
 

@@ -92,3 +92,15 @@ def test_eval_writes_trajectories_and_metrics(tiny_model_dir, tmp_path):
     # A second run resumes: nothing left to play, same trajectories.
     again = run_eval(config, tmp_path, progress=False)
     assert again["episodes"] == 2 and len(read_episodes(tmp_path / "trajectories")) == 2
+
+
+@pytest.mark.parametrize("env, split", [("webshop", "test"), ("sciworld", "unseen")])
+def test_eval_accepts_the_other_environments(all_data_installed, tiny_model_dir, tmp_path, env, split):
+    config = RolloutConfig(env=env, split=split, limit=1,
+                           model=ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),
+                           prompt=PromptConfig(max_prompt_tokens=2048, reserve_action_tokens=16),
+                           agent=AgentConfig(batch_size=1, max_new_tokens=8, max_turns=2, num_workers=1))
+    metrics = run_eval(config, tmp_path, progress=False)
+    assert metrics["episodes"] == 1 and metrics["failed_episodes"] == 0
+    (episode,) = read_episodes(tmp_path / "trajectories")
+    assert episode.env == env and episode.num_turns == 2 and episode.turns[0].context_ids
