@@ -33,6 +33,13 @@ def alfworld_installed():
 
 
 @pytest.fixture(scope="session")
+def webshop_installed():
+    """The real WebShop data, installed from ../shared/data into the data directory once."""
+    ensure_installed("webshop")
+    return True
+
+
+@pytest.fixture(scope="session")
 def all_data_installed():
     """ALFWorld, WebShop and the ScienceWorld task lists, installed once."""
     for name in ("alfworld", "webshop", "sciworld"):

@@ -15,13 +15,7 @@ from qevolve.config import ConfigError, load_config
 from qevolve.process_rewards.retrospective import RetrospectiveConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread hand-offs cost more than the maths (and the CPU is shared), so use one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# torch runs on one thread in the tests (tests/conftest.py): tiny tensors, shared CPU.
 
 
 

@@ -15,13 +15,7 @@ from qevolve.critic.train import CRITIC_FILE, METRICS_FILE, STATE_FILE, critic_s
 from qevolve.process_rewards.label import LabelConfig, label_episodes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread hand-offs cost more than the maths (and the CPU is shared), so use one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# torch runs on one thread in the tests (tests/conftest.py): tiny tensors, shared CPU.
 
 
 

@@ -13,13 +13,7 @@ from qevolve.policy.objectives import (ObjectiveConfig, compute_objective, gathe
                                        objective_names)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread hand-offs cost more than the maths (and the CPU is shared), so use one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# torch runs on one thread in the tests (tests/conftest.py): tiny tensors, shared CPU.
 
 
 def _hand_batch():

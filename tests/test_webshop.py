@@ -11,24 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from qevolve.data.install import dataset_dir, install, is_installed
+from qevolve.data.install import dataset_dir
 from qevolve.environments import make_environment
 from qevolve.environments.pool import EnvPool, EpisodeJob, play_episode
 from qevolve.environments.turn_format import parse_turn
 from qevolve.environments.webshop import FirstResultPolicy, OraclePolicy, WebShopEnv, load_catalog
 from qevolve.environments.webshop.catalog import goal_index
-from qevolve.paths import shared_data_dir
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture(scope="module")
-def data_root() -> Path:
-    """The real WebShop data, installed from ../shared/data into the data directory once."""
-    if not is_installed("webshop"):
-        if shared_data_dir() is None:
-            pytest.fail("WebShop data is not installed and ../shared/data is missing: run `qevolve data install webshop`")
-        install(["webshop"])
+def data_root(webshop_installed) -> Path:
     return dataset_dir("webshop")
 
 

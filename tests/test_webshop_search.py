@@ -10,20 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from qevolve.data.install import dataset_dir, install, is_installed
+from qevolve.data.install import dataset_dir
 from qevolve.environments.webshop.catalog import load_catalog
 from qevolve.environments.webshop.porter import porter_stem
 from qevolve.environments.webshop.search import BM25Index, analyze, decode_length, encode_length, tokenize
-from qevolve.paths import shared_data_dir
 
 
 @pytest.fixture(scope="module")
-def data_root() -> Path:
-    """The real WebShop data, installed from ../shared/data into the data directory once."""
-    if not is_installed("webshop"):
-        if shared_data_dir() is None:
-            pytest.fail("WebShop data is not installed and ../shared/data is missing: run `qevolve data install webshop`")
-        install(["webshop"])
+def data_root(webshop_installed) -> Path:
     return dataset_dir("webshop")
 
 
