@@ -64,7 +64,9 @@ class ModelConfig(StageConfig):
                                          "(less memory, about 20% slower)")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (null: torch's default, "
                                     "one per physical core)")
-    attn_implementation: str = Field("sdpa", description="attention kernel (sdpa, eager, flash_attention_2)")
+    attn_implementation: str = Field("packed_sdpa", description="attention kernel: packed_sdpa (sdpa that attends "
+                                     "per sequence in packed rows, see qevolve.policy.attention), sdpa, eager, "
+                                     "flash_attention_2")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -189,6 +191,10 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
         adapter_info = json.loads((adapter_folder / "adapter_config.json").read_text())
         base_source = _resolve_source(adapter_info.get("base_model_name_or_path") or "default")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if config.attn_implementation == "packed_sdpa":
+        from qevolve.policy.attention import register_packed_attention
+
+        register_packed_attention()
     model = AutoModelForCausalLM.from_pretrained(base_source, dtype=dtype,
                                                  attn_implementation=config.attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(adapter_folder or source)
