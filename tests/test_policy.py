@@ -86,9 +86,21 @@ def test_saved_adapter_reloads_with_identical_outputs_and_reference_is_the_base(
     assert (tmp_path / "ckpt" / "adapter_config.json").is_file()
     reloaded = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"),
                            trainable=False)
-    assert reloaded.is_lora and reloaded.base_source == str(tiny_model_dir)
+    assert reloaded.is_lora is False and reloaded.base_source == str(tiny_model_dir)  # merged into the base
     with torch.no_grad():
-        assert torch.allclose(reloaded.model(input_ids=ids).logits, tuned, atol=1e-6)
+        assert torch.allclose(reloaded.model(input_ids=ids).logits, tuned, atol=1e-5)
+    # Training on from a LoRA checkpoint: merged, with fresh adapters whose reference is the loaded policy.
+    again = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"))
+    assert again.is_lora
+    again.model.eval()
+    with torch.no_grad(), again.reference() as reference:
+        assert torch.allclose(reference(input_ids=ids).logits, tuned, atol=1e-5)
+    kept = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu",
+                                   merge_adapter=False))
+    assert kept.is_lora and any(p.requires_grad for p in kept.model.parameters())
+    kept.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(kept.model(input_ids=ids).logits, tuned, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["pack", "bucket"])

@@ -64,6 +64,9 @@ class ModelConfig(StageConfig):
                                          "(less memory, about 20% slower)")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (null: torch's default, "
                                     "one per physical core)")
+    merge_adapter: bool = Field(True, description="when name_or_path is a LoRA checkpoint: merge it into the base "
+                                "weights (then fresh adapters train on top, and the adapter-free reference is the "
+                                "loaded policy, e.g. the BC policy for BPPO's KL); false: keep training that adapter")
     attn_implementation: str = Field("packed_sdpa", description="attention kernel: packed_sdpa (sdpa that attends "
                                      "per sequence in packed rows, see qevolve.policy.attention), sdpa, eager, "
                                      "flash_attention_2")
@@ -204,8 +207,10 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
     if adapter_folder is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter_folder), is_trainable=trainable)
-    elif config.lora.enabled and trainable:
+        model = PeftModel.from_pretrained(model, str(adapter_folder), is_trainable=trainable and not config.merge_adapter)
+        if config.merge_adapter:
+            model = model.merge_and_unload()
+    if not hasattr(model, "peft_config") and config.lora.enabled and trainable:
         from peft import LoraConfig, get_peft_model
 
         lora = config.lora
