@@ -86,21 +86,30 @@ def test_saved_adapter_reloads_with_identical_outputs_and_reference_is_the_base(
     assert (tmp_path / "ckpt" / "adapter_config.json").is_file()
     reloaded = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"),
                            trainable=False)
-    assert reloaded.is_lora is False and reloaded.base_source == str(tiny_model_dir)  # merged into the base
+    assert reloaded.is_lora and reloaded.base_source == str(tiny_model_dir)
     with torch.no_grad():
-        assert torch.allclose(reloaded.model(input_ids=ids).logits, tuned, atol=1e-5)
-    # Training on from a LoRA checkpoint: merged, with fresh adapters whose reference is the loaded policy.
-    again = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"))
-    assert again.is_lora
-    again.model.eval()
-    with torch.no_grad(), again.reference() as reference:
+        assert torch.allclose(reloaded.model(input_ids=ids).logits, tuned, atol=1e-6)
+    kept = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"))
+    assert kept.is_lora and any(p.requires_grad for p in kept.model.parameters())  # trains on that adapter
+    # merge_adapter: the checkpoint goes into the base, fresh adapters train on top, and the
+    # adapter-free reference is the loaded policy; saving writes a whole merged model.
+    merged = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu",
+                                     merge_adapter=True))
+    assert merged.is_lora and merged.merged
+    merged.model.eval()
+    with torch.no_grad(), merged.reference() as reference:
         assert torch.allclose(reference(input_ids=ids).logits, tuned, atol=1e-5)
-    kept = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu",
-                                   merge_adapter=False))
-    assert kept.is_lora and any(p.requires_grad for p in kept.model.parameters())
-    kept.model.eval()
     with torch.no_grad():
-        assert torch.allclose(kept.model(input_ids=ids).logits, tuned, atol=1e-6)
+        for name, p in merged.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+        twice = merged.model(input_ids=ids).logits
+    merged.save(tmp_path / "merged")
+    assert (tmp_path / "merged" / "config.json").is_file() and not (tmp_path / "merged" / "adapter_config.json").exists()
+    whole = load_policy(ModelConfig(name_or_path=str(tmp_path / "merged"), precision="fp32", device="cpu"),
+                        trainable=False)
+    with torch.no_grad():
+        assert torch.allclose(whole.model(input_ids=ids).logits, twice, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["pack", "bucket"])

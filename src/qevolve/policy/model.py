@@ -64,9 +64,10 @@ class ModelConfig(StageConfig):
                                          "(less memory, about 20% slower)")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (null: torch's default, "
                                     "one per physical core)")
-    merge_adapter: bool = Field(True, description="when name_or_path is a LoRA checkpoint: merge it into the base "
-                                "weights (then fresh adapters train on top, and the adapter-free reference is the "
-                                "loaded policy, e.g. the BC policy for BPPO's KL); false: keep training that adapter")
+    merge_adapter: bool = Field(False, description="when name_or_path is a LoRA checkpoint: false: load (and train "
+                                "on) that adapter over its base; true: merge it into the base weights, train fresh "
+                                "adapters on top (the adapter-free reference() is then the loaded policy) and save "
+                                "whole merged models")
     attn_implementation: str = Field("packed_sdpa", description="attention kernel: packed_sdpa (sdpa that attends "
                                      "per sequence in packed rows, see qevolve.policy.attention), sdpa, eager, "
                                      "flash_attention_2")
@@ -118,6 +119,8 @@ class Policy:
     precision: str  # resolved: fp32, bf16 or bf16-autocast
     source: str  # the folder or name it was loaded from
     base_source: str  # the base model's folder or name (same as source for full models)
+    merged: bool = False  # a LoRA checkpoint was merged into the in-memory base weights
+
 
     @property
     def is_lora(self) -> bool:
@@ -133,12 +136,22 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Save in Hugging Face format: the adapter (LoRA) or the whole model, plus the tokeniser."""
+        """Save in Hugging Face format: the adapter (LoRA) or the whole model, plus the tokeniser.
+
+        A policy whose base holds a merged checkpoint is saved as a whole model with its current
+        adapters merged too (an adapter alone would point at the unmerged base and be wrong).
+        """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder)
+        if self.merged and self.is_lora:
+            import copy
+
+            copy.deepcopy(self.model).merge_and_unload().save_pretrained(folder)
+        else:
+            self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
-        info = {"base_model": self.base_source, "lora": self.is_lora, "precision": self.precision, **(extra or {})}
+        info = {"base_model": self.base_source, "lora": self.is_lora and not self.merged,
+                "merged_adapter": self.merged, "precision": self.precision, **(extra or {})}
         (folder / "qevolve_policy.json").write_text(json.dumps(info, indent=1, default=str))
         return folder
 
@@ -227,7 +240,8 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
         for parameter in model.parameters():
             parameter.requires_grad_(False)
     unwrap_model(model).config.use_cache = not trainable
-    return Policy(model, tokenizer, device, precision, source, base_source)
+    merged = adapter_folder is not None and config.merge_adapter
+    return Policy(model, tokenizer, device, precision, source, base_source, merged)
 
 
 def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
