@@ -89,6 +89,27 @@ def test_saved_adapter_reloads_with_identical_outputs_and_reference_is_the_base(
     assert reloaded.is_lora and reloaded.base_source == str(tiny_model_dir)
     with torch.no_grad():
         assert torch.allclose(reloaded.model(input_ids=ids).logits, tuned, atol=1e-6)
+    kept = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu"))
+    assert kept.is_lora and any(p.requires_grad for p in kept.model.parameters())  # trains on that adapter
+    # merge_adapter: the checkpoint goes into the base, fresh adapters train on top, and the
+    # adapter-free reference is the loaded policy; saving writes a whole merged model.
+    merged = load_policy(ModelConfig(name_or_path=str(tmp_path / "ckpt"), precision="fp32", device="cpu",
+                                     merge_adapter=True))
+    assert merged.is_lora and merged.merged
+    merged.model.eval()
+    with torch.no_grad(), merged.reference() as reference:
+        assert torch.allclose(reference(input_ids=ids).logits, tuned, atol=1e-5)
+    with torch.no_grad():
+        for name, p in merged.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+        twice = merged.model(input_ids=ids).logits
+    merged.save(tmp_path / "merged")
+    assert (tmp_path / "merged" / "config.json").is_file() and not (tmp_path / "merged" / "adapter_config.json").exists()
+    whole = load_policy(ModelConfig(name_or_path=str(tmp_path / "merged"), precision="fp32", device="cpu"),
+                        trainable=False)
+    with torch.no_grad():
+        assert torch.allclose(whole.model(input_ids=ids).logits, twice, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["pack", "bucket"])
@@ -133,3 +154,38 @@ def test_target_positions_are_the_tokens_before_each_agent_token():
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 0, 1, 2]]
     with pytest.raises(ValueError, match="position 0"):
         collate([TrainSequence([1, 2], [(0, 2)])], [0])
+
+
+def test_packed_attention_attends_per_sequence_without_a_dense_mask(tiny_model_dir, monkeypatch):
+    from qevolve.policy import attention
+
+    policy = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),
+                         trainable=False)
+    assert unwrap(policy).config._attn_implementation == attention.PACKED_SDPA
+    sequences = random_sequences(3, len(policy.tokenizer), seed=5)
+    batch = collate(sequences, [0, 1, 2], "pack")
+    assert attention.packed_segments(batch.position_ids) == [
+        (sum(len(s) for s in sequences[:i]), sum(len(s) for s in sequences[:i + 1])) for i in range(3)]
+    calls = []
+    original = attention.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape[2], kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        packed = target_logprobs(policy.model, batch)
+    lengths = [len(s) for s in sequences]
+    assert calls == [(n, True, True) for _ in range(2) for n in lengths]  # 2 layers x 3 causal sequences
+    monkeypatch.undo()
+    sdpa = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu",
+                                   attn_implementation="sdpa"), trainable=False)
+    with torch.no_grad():
+        assert torch.allclose(packed, target_logprobs(sdpa.model, batch), atol=1e-5)
+
+
+def unwrap(policy):
+    from qevolve.policy.model import unwrap_model
+
+    return unwrap_model(policy.model)

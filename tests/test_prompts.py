@@ -170,6 +170,9 @@ def test_templates_that_rewrite_earlier_turns_are_rejected(tiny_tokenizer):
     plain.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         PromptFormatter(plain, PromptConfig())
+    given = PromptFormatter(plain, PromptConfig(chat_template="chatml"))  # a model without a template
+    assert given.eot_text == "<|im_end|>"
+    assert given.opening_ids("S", "O") == PromptFormatter(tiny_tokenizer, PromptConfig()).opening_ids("S", "O")
 
 
 def test_examples_are_chosen_per_task_type_and_never_the_task_itself(tiny_tokenizer, alfworld_experts):

@@ -5,8 +5,10 @@ with the spans of its agent turns. Two ways to fill a micro-batch of at most ``t
 tokens:
 
 * ``pack``: sequences are concatenated into one row (first-fit decreasing), each with its own
-  position ids starting at 0 and no attention mask; transformers detects the packed format from
-  the position ids and masks attention block-diagonally, so no sequence sees another. No padding.
+  position ids starting at 0 and no attention mask, so no padding. The ``packed_sdpa`` attention
+  (:mod:`qevolve.policy.attention`) runs causal attention per sequence; with other attention
+  implementations transformers detects the packed format from the position ids and masks the whole
+  row block-diagonally (correct, but on CPU the masked blocks are computed anyway).
 * ``bucket``: sequences of similar length share a batch of rows, right-padded to the longest; the
   budget counts padded tokens (rows x longest).
 
@@ -167,7 +169,7 @@ def collate(sequences: Sequence[TrainSequence], indices: Sequence[int], mode: Ba
             offset += n
         if offset < width:
             padded = True
-            position_ids[r, offset:] = torch.arange(width - offset)  # masked anyway
+            position_ids[r, offset:] = torch.arange(offset, width)  # masked anyway; no restart (not a packed row)
     attention_mask = None
     if padded:
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -75,7 +75,8 @@ class OptimConfig(StageConfig):
 # Fields that may change between a run and its resumption (they do not change the trajectory of
 # the parameters).
 _RESUME_FREE = {"progress", "tensorboard", "stop_after_steps", "save_every", "keep_checkpoints", "log_every",
-                "eval_every", "resume", "output_dir", "save_final"}
+                "eval_every", "resume", "output_dir", "save_final", "model.num_threads", "data.eval_path",
+                "data.num_eval"}
 
 
 class BCConfig(StageConfig):
@@ -296,7 +297,13 @@ def _save_checkpoint(policy: Policy, output_dir: Path, step: int, state: dict[st
 
 def _resume_fingerprint(config: BCConfig) -> dict[str, Any]:
     dump = config.model_dump(mode="json")
-    return {k: v for k, v in dump.items() if k not in _RESUME_FREE}
+    for dotted in _RESUME_FREE:
+        *parents, last = dotted.split(".")
+        node = dump
+        for part in parents:
+            node = node.get(part, {})
+        node.pop(last, None)
+    return dump
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:

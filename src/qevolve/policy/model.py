@@ -64,7 +64,13 @@ class ModelConfig(StageConfig):
                                          "(less memory, about 20% slower)")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (null: torch's default, "
                                     "one per physical core)")
-    attn_implementation: str = Field("sdpa", description="attention kernel (sdpa, eager, flash_attention_2)")
+    merge_adapter: bool = Field(False, description="when name_or_path is a LoRA checkpoint: false: load (and train "
+                                "on) that adapter over its base; true: merge it into the base weights, train fresh "
+                                "adapters on top (the adapter-free reference() is then the loaded policy) and save "
+                                "whole merged models")
+    attn_implementation: str = Field("packed_sdpa", description="attention kernel: packed_sdpa (sdpa that attends "
+                                     "per sequence in packed rows, see qevolve.policy.attention), sdpa, eager, "
+                                     "flash_attention_2")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -113,6 +119,8 @@ class Policy:
     precision: str  # resolved: fp32, bf16 or bf16-autocast
     source: str  # the folder or name it was loaded from
     base_source: str  # the base model's folder or name (same as source for full models)
+    merged: bool = False  # a LoRA checkpoint was merged into the in-memory base weights
+
 
     @property
     def is_lora(self) -> bool:
@@ -128,12 +136,22 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Save in Hugging Face format: the adapter (LoRA) or the whole model, plus the tokeniser."""
+        """Save in Hugging Face format: the adapter (LoRA) or the whole model, plus the tokeniser.
+
+        A policy whose base holds a merged checkpoint is saved as a whole model with its current
+        adapters merged too (an adapter alone would point at the unmerged base and be wrong).
+        """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder)
+        if self.merged and self.is_lora:
+            import copy
+
+            copy.deepcopy(self.model).merge_and_unload().save_pretrained(folder)
+        else:
+            self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
-        info = {"base_model": self.base_source, "lora": self.is_lora, "precision": self.precision, **(extra or {})}
+        info = {"base_model": self.base_source, "lora": self.is_lora and not self.merged,
+                "merged_adapter": self.merged, "precision": self.precision, **(extra or {})}
         (folder / "qevolve_policy.json").write_text(json.dumps(info, indent=1, default=str))
         return folder
 
@@ -189,6 +207,10 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
         adapter_info = json.loads((adapter_folder / "adapter_config.json").read_text())
         base_source = _resolve_source(adapter_info.get("base_model_name_or_path") or "default")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if config.attn_implementation == "packed_sdpa":
+        from qevolve.policy.attention import register_packed_attention
+
+        register_packed_attention()
     model = AutoModelForCausalLM.from_pretrained(base_source, dtype=dtype,
                                                  attn_implementation=config.attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(adapter_folder or source)
@@ -198,8 +220,10 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
     if adapter_folder is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter_folder), is_trainable=trainable)
-    elif config.lora.enabled and trainable:
+        model = PeftModel.from_pretrained(model, str(adapter_folder), is_trainable=trainable and not config.merge_adapter)
+        if config.merge_adapter:
+            model = model.merge_and_unload()
+    if not hasattr(model, "peft_config") and config.lora.enabled and trainable:
         from peft import LoraConfig, get_peft_model
 
         lora = config.lora
@@ -216,7 +240,8 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
         for parameter in model.parameters():
             parameter.requires_grad_(False)
     unwrap_model(model).config.use_cache = not trainable
-    return Policy(model, tokenizer, device, precision, source, base_source)
+    merged = adapter_folder is not None and config.merge_adapter
+    return Policy(model, tokenizer, device, precision, source, base_source, merged)
 
 
 def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from qevolve.config import StageConfig
 from qevolve.environments.turn_format import TurnFormat
 
 __all__ = [
-    "PromptConfig", "PromptFormatter", "Conversation", "PromptBuilder", "Segment",
+    "CHATML_TEMPLATE", "PromptConfig", "PromptFormatter", "Conversation", "PromptBuilder", "Segment",
     "tokenize_episode", "episode_segments", "environment_instruction", "select_examples",
     "example_transcript",
 ]
@@ -71,6 +71,14 @@ DEFAULT_FORMAT_INSTRUCTIONS = {
     "thought_action": "Reply with one line `Thought: <your short reasoning>` followed by one line "
                       "`Action: <command>`, and nothing else.",
 }
+
+#: ChatML, as the SmolLM2 family uses it (this project's own Jinja text of the format)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 # Placeholder characters (Unicode private use area) to locate the message contents in a rendering.
 _SYSTEM, _USER, _AGENT, _OBS, _AGENT2, _OBS2 = "\ue000", "\ue001", "\ue002", "\ue003", "\ue004", "\ue005"
@@ -102,6 +110,8 @@ class PromptConfig(StageConfig):
     example_seed: int = Field(0, description="seed of the per-task example choice")
     end_of_turn: str | None = Field(None, description="end-of-turn token text; null: read from the chat "
                                     "template (the special token that closes an assistant message)")
+    chat_template: str | None = Field(None, description="Jinja chat template to use instead of the tokenizer's "
+                                      "(for models without one); 'chatml' for ChatML with <|im_start|>/<|im_end|>")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,14 +172,19 @@ class PromptFormatter:
     def __init__(self, tokenizer: Any, config: PromptConfig | None = None):
         self.tokenizer = tokenizer
         self.config = config or PromptConfig()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+        self.chat_template = self.config.chat_template
+        if self.chat_template == "chatml":
+            self.chat_template = CHATML_TEMPLATE
+        if not (self.chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                             f"set prompt.chat_template (e.g. chatml)")
         self._analyse_template()
 
     # -- rendering helpers ----------------------------------------------------------------------
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  chat_template=self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a piece of rendered text (special-token text becomes special ids, no BOS added)."""

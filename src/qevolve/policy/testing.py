@@ -20,13 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-#: ChatML, as the SmolLM2 family uses it (this project's own Jinja text of the format)
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from qevolve.policy.prompts import CHATML_TEMPLATE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Agent-style sentences written for this corpus; they only shape which merges the BPE learns.
