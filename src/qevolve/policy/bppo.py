@@ -24,8 +24,6 @@ cloning (:mod:`qevolve.policy.bc`).
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,25 +34,21 @@ from pydantic import Field
 from tqdm import tqdm
 
 from qevolve.buffer.store import Episode, read_episodes
-from qevolve.config import StageConfig
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches
-from qevolve.policy.bc import (
-    OptimConfig, _first_difference, _resume_fingerprint, _save_checkpoint, _Writer, cosine_schedule,
-    latest_checkpoint, load_checkpoint_weights, prepare_sequences,
-)
+from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
 from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.objectives import ObjectiveConfig, compute_objective
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
+from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
 
 __all__ = ["PolicyStageConfig", "PolicyResult", "run_policy_update", "sequence_logprobs"]
 
-_RESUME_FREE_POLICY = {"progress", "tensorboard", "stop_after_steps", "save_every", "keep_checkpoints", "log_every",
-                       "resume", "output_dir", "save_final"}
+class PolicyStageConfig(TrainingConfig):
+    """Policy improvement on a labelled buffer: ``qevolve policy --buffer B --init C [key=value ...]``.
 
-
-class PolicyStageConfig(StageConfig):
-    """Policy improvement on a labelled buffer: ``qevolve policy --buffer B --init C [key=value ...]``."""
+    The optimizer, schedule, batching and checkpoint fields are those of every training stage
+    (:class:`qevolve.policy.trainer.TrainingConfig`)."""
 
     env: str = Field("alfworld", description="environment: its instruction prompt is the system message")
     buffer_path: str | None = Field(None, description="labelled trajectory store (advantages on every turn)")
@@ -70,22 +64,7 @@ class PolicyStageConfig(StageConfig):
                                            "(null: every turn of the buffer, expert and self)")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5),
                                description="optimizer and schedule")
-    epochs: float = Field(1.0, gt=0.0, description="passes over the buffer's sequences")
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps (overrides epochs)")
-    tokens_per_batch: int = Field(4096, ge=16, description="token budget of one micro-batch")
-    grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
-    batching: BatchMode = Field("pack", description="pack or bucket (see qevolve.policy.batching)")
     output_dir: str = Field("runs/policy", description="checkpoints, TensorBoard logs and the final policy")
-    save_every: int = Field(50, ge=1, description="checkpoint every N optimizer steps (and at the end)")
-    keep_checkpoints: int = Field(2, ge=1, description="keep the newest N checkpoints")
-    log_every: int = Field(1, ge=1, description="TensorBoard scalars every N steps")
-    resume: bool = Field(True, description="continue from the newest checkpoint in output_dir")
-    seed: int = Field(0, description="seed of the batch order")
-    progress: bool = Field(True, description="show a progress bar")
-    tensorboard: bool = Field(True, description="write TensorBoard logs to output_dir/tensorboard")
-    save_final: bool = Field(True, description="save the final policy to output_dir/final")
-    stop_after_steps: int | None = Field(None, ge=1, description="stop after N steps without a final save "
-                                         "(tests the resume path)")
 
 
 @dataclass
@@ -151,20 +130,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     started = time.perf_counter()
     if not config.buffer_path:
         raise ValueError("buffer_path: a labelled trajectory store is required")
-    output_dir = Path(config.output_dir).expanduser()
-    checkpoint = latest_checkpoint(output_dir)
-    fingerprint = {k: v for k, v in _resume_fingerprint(config).items() if k not in _RESUME_FREE_POLICY}
-    resume_state: dict[str, Any] | None = None
-    if checkpoint is not None:
-        if not config.resume:
-            raise ValueError(f"output_dir {output_dir} already holds checkpoints; set resume=true or choose another")
-        resume_state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
-        diff = _first_difference(resume_state["fingerprint"], fingerprint)
-        if diff:
-            raise ValueError(f"output_dir {output_dir}: its checkpoint was made with a different {diff!r}")
-
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    trainer = Trainer(config, "policy")  # seeds, and refuses a mismatched checkpoint early
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     episodes = read_episodes(Path(config.buffer_path).expanduser())
@@ -185,10 +151,10 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
                  for a, s in zip(seq_adv, sequences)]
     action_tokens = sum(s.num_targets for s in sequences)
 
-    # pi_old and pi_ref log-probs, once, before any update.
+    # pi_old and pi_ref log-probs, once, before any update (a resumed run reads them back).
     progress = config.progress
-    if resume_state is not None:
-        old_logp, ref_logp = resume_state["old_logprobs"], resume_state["ref_logprobs"]
+    if trainer.resume_state is not None:
+        old_logp, ref_logp = trainer.resume_state["old_logprobs"], trainer.resume_state["ref_logprobs"]
     else:
         old_logp = sequence_logprobs(policy, sequences, config.tokens_per_batch, config.batching, progress, "pi_old")
         ref_logp = old_logp
@@ -198,40 +164,17 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
                                          "pi_ref")
             del reference
 
-    def epoch_plan(epoch: int) -> list[list[int]]:
-        return plan_batches(sequences, config.tokens_per_batch, config.batching, seed=config.seed * 100003 + epoch)
-
-    micro_per_epoch = len(epoch_plan(0))
-    total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
-    warmup = config.optim.warmup_steps if config.optim.warmup_steps is not None else \
-        int(round(config.optim.warmup_ratio * total_steps))
+    trainer.start(policy, sequences)
+    total_steps, start_step = trainer.total_steps, trainer.start_step
     log(f"policy ({config.objective.name}): {len(episodes)} episodes -> {len(sequences)} sequences, "
         f"{action_tokens} action tokens; {total_steps} steps; model {policy.source} ({policy.precision})")
-    parameters = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(parameters, lr=config.optim.lr, betas=tuple(config.optim.betas),
-                                  eps=config.optim.eps, weight_decay=config.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(total_steps, warmup,
-                                                                             config.optim.min_lr_ratio))
-    start_step = 0
-    if resume_state is not None:
-        load_checkpoint_weights(policy, checkpoint)
-        optimizer.load_state_dict(resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
-        torch.set_rng_state(resume_state["torch_rng"])
-        random.setstate(resume_state["python_rng"])
-        start_step = resume_state["step"]
-        log(f"policy: resumed from {checkpoint} at step {start_step}")
+    if trainer.resume_state is not None:
+        log(f"policy: resumed from {trainer.checkpoint} at step {start_step}")
 
-    writer = _Writer(output_dir / "tensorboard" if config.tensorboard else None)
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
     pad_id = policy.tokenizer.pad_token_id or 0
-    plans: dict[int, list[list[int]]] = {}
 
-    def micro_batch(k: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        epoch, index = divmod(k, micro_per_epoch)
-        if epoch not in plans:
-            plans.clear()
-            plans[epoch] = epoch_plan(epoch)
-        group = plans[epoch][index]
+    def micro_batch(group: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = collate(sequences, group, config.batching, pad_id)
         old = torch.cat([old_logp[i] for i in group])
         ref = torch.cat([ref_logp[i] for i in group])
@@ -246,11 +189,11 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     bar = tqdm(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
                disable=not config.progress)
     while step < total_steps:
-        if config.stop_after_steps is not None and step - start_step >= config.stop_after_steps:
+        if trainer.should_stop(step):
             interrupted = True
             break
         t0 = time.perf_counter()
-        batches = [micro_batch(step * config.grad_accum_steps + i) for i in range(config.grad_accum_steps)]
+        batches = [micro_batch(group) for group in trainer.step_groups(step)]
         step_targets = sum(b[0].num_targets for b in batches)
         step_stats: dict[str, float] = {}
         for batch, old, ref, adv in batches:
@@ -267,11 +210,9 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
             (out.loss * share).backward()
             for key, value in out.stats.items():
                 step_stats[key] = step_stats.get(key, 0.0) + value * share
-        if config.optim.max_grad_norm is not None:
-            step_stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(parameters, config.optim.max_grad_norm))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = trainer.optimizer_step()
+        if grad_norm is not None:
+            step_stats["grad_norm"] = grad_norm
         step += 1
         step_stats["tokens_per_second"] = sum(b[0].num_tokens for b in batches) / (time.perf_counter() - t0)
         stats_log.append(step_stats)
@@ -279,15 +220,11 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
         if step % config.log_every == 0:
             writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
-        if step % config.save_every == 0 or step == total_steps:
-            _save_checkpoint(policy, output_dir, step, {
-                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "fingerprint": fingerprint,
-                "old_logprobs": old_logp, "ref_logprobs": ref_logp,
-            }, config.keep_checkpoints)
+        trainer.maybe_save(step, {"old_logprobs": old_logp, "ref_logprobs": ref_logp})
     bar.close()
     writer.close()
     final_dir = None
+    output_dir = trainer.output_dir
     if not interrupted and config.save_final:
         final_dir = policy.save(output_dir / "final", {"policy_steps": step, "objective": config.objective.name})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,

@@ -1,0 +1,282 @@
+"""The training mechanics shared by behaviour cloning and the policy update (BPPO/AWR).
+
+Both stages train the policy on packed token sequences with AdamW, a linear warm-up and a cosine
+decay, ``grad_accum_steps`` micro-batches per optimizer step, periodic checkpoints and exact
+resumption. What differs is only the loss of a micro-batch, so each stage keeps its own loop body
+and this module owns the rest:
+
+* :class:`TrainingConfig`, the fields every training stage has (documented once);
+* :class:`Trainer`: the run folder, the resume check (a checkpoint made with a different config is
+  refused, naming the first differing field), the micro-batch schedule as a pure function of
+  (seed, epoch), the optimizer and schedule, clipping and stepping, and checkpoints;
+* :func:`load_checkpoint_weights`, :func:`latest_checkpoint`, :func:`cosine_schedule`, and the
+  TensorBoard :class:`ScalarWriter`.
+
+A checkpoint is ``<output_dir>/checkpoints/step-N``: the weights in Hugging Face format plus
+``trainer_state.pt`` (optimizer, schedule, RNG states, the config fingerprint and whatever the
+stage adds), written to a temporary folder and renamed, so a crash never leaves half of one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from pydantic import Field
+
+from qevolve.config import StageConfig
+from qevolve.policy.batching import BatchMode, TrainSequence, plan_batches
+from qevolve.policy.model import Policy, unwrap_model
+
+__all__ = ["OptimConfig", "TrainingConfig", "Trainer", "ScalarWriter", "cosine_schedule", "latest_checkpoint",
+           "load_checkpoint_weights", "first_difference"]
+
+
+class OptimConfig(StageConfig):
+    """AdamW with linear warm-up and a cosine decay."""
+
+    lr: float = Field(2e-4, gt=0.0, description="peak learning rate (LoRA; use about 2e-5 for full fine-tuning)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the gradient norm (null: no clipping)")
+    warmup_steps: int | None = Field(None, ge=0, description="linear warm-up steps (null: warmup_ratio of the run)")
+    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="warm-up as a fraction of all steps")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="the cosine ends at this fraction of the peak")
+
+
+class TrainingConfig(StageConfig):
+    """Fields of every policy-training stage (behaviour cloning, BPPO/AWR)."""
+
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
+    epochs: float = Field(1.0, gt=0.0, description="passes over the training sequences (may be fractional)")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps (overrides epochs)")
+    tokens_per_batch: int = Field(4096, ge=16, description="token budget of one micro-batch")
+    grad_accum_steps: int = Field(4, ge=1, description="micro-batches per optimizer step")
+    batching: BatchMode = Field("pack", description="pack (concatenate sequences, block-diagonal attention) or "
+                                "bucket (padded rows of similar length)")
+    output_dir: str = Field("runs/train", description="checkpoints, TensorBoard logs and the final model")
+    save_every: int = Field(50, ge=1, description="checkpoint every N optimizer steps (and at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="keep the newest N checkpoints")
+    log_every: int = Field(1, ge=1, description="TensorBoard scalars every N steps")
+    resume: bool = Field(True, description="continue from the newest checkpoint in output_dir")
+    seed: int = Field(0, description="seed of the data subset, batch order and adapter initialisation")
+    progress: bool = Field(True, description="show a progress bar")
+    tensorboard: bool = Field(True, description="write TensorBoard logs to output_dir/tensorboard")
+    save_final: bool = Field(True, description="save the final policy to output_dir/final")
+    stop_after_steps: int | None = Field(None, ge=1, description="stop this invocation after N steps without a "
+                                         "final save (tests the resume path; null: run to the end)")
+
+
+# Fields that may change between a run and its resumption: they do not change the trajectory of
+# the parameters.
+RESUME_FREE = frozenset({"progress", "tensorboard", "stop_after_steps", "save_every", "keep_checkpoints",
+                         "log_every", "eval_every", "resume", "output_dir", "save_final", "model.num_threads"})
+
+
+def cosine_schedule(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine from 1 down to ``min_lr_ratio``."""
+    def multiplier(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return multiplier
+
+
+def _checkpoint_dirs(output_dir: Path) -> list[Path]:
+    folder = output_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    dirs = [p for p in folder.glob("step-*") if (p / "trainer_state.pt").is_file()]
+    return sorted(dirs, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    dirs = _checkpoint_dirs(Path(output_dir))
+    return dirs[-1] if dirs else None
+
+
+def load_checkpoint_weights(policy: Policy, folder: Path) -> None:
+    """Load the trainable weights saved by :meth:`Policy.save` back into ``policy`` (exactly)."""
+    from safetensors.torch import load_file
+
+    if policy.is_lora:
+        from peft import set_peft_model_state_dict
+
+        state = load_file(str(folder / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(policy.model, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"{folder}: adapter does not match the model (unexpected {unexpected[:3]})")
+        return
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    model = unwrap_model(policy.model)
+    result = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{folder}: weights do not match the model (missing {missing[:3]}, "
+                         f"unexpected {result.unexpected_keys[:3]})")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+def resume_fingerprint(config: StageConfig, free: frozenset[str] = RESUME_FREE) -> dict[str, Any]:
+    """The config as a nested dict without the fields that may change on resumption."""
+    dump = config.model_dump(mode="json")
+    for dotted in free:
+        *parents, last = dotted.split(".")
+        node = dump
+        for part in parents:
+            node = node.get(part, {})
+        node.pop(last, None)
+    return dump
+
+
+def first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
+    """The dotted name of the first field where two nested dicts differ (None when equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            diff = first_difference(a.get(key), b.get(key), f"{prefix}{key}.")
+            if diff:
+                return diff
+        return None
+    return prefix.rstrip(".") if a != b else None
+
+
+class ScalarWriter:
+    """TensorBoard scalars, or nothing."""
+
+    def __init__(self, folder: Path | None):
+        self.writer = None
+        if folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(folder))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Trainer:
+    """Optimizer, schedule, micro-batch plan and checkpoints of one training run.
+
+    Use: ``trainer = Trainer(config, stage, free_fields)`` before building the model (it reads
+    the newest checkpoint and refuses a mismatched config early), then
+    ``trainer.start(policy, sequences)`` once the data is tokenised, then per optimizer step
+    ``trainer.step_groups(step)`` -> the micro-batches' sequence indices, the stage's forward and
+    backward passes, ``trainer.optimizer_step()``, and ``trainer.maybe_save(step, extra_state)``.
+    """
+
+    def __init__(self, config: TrainingConfig, stage: str, free: frozenset[str] = RESUME_FREE):
+        self.config = config
+        self.stage = stage
+        self.output_dir = Path(config.output_dir).expanduser()
+        self.fingerprint = resume_fingerprint(config, free)
+        self.checkpoint = latest_checkpoint(self.output_dir)
+        self.resume_state: dict[str, Any] | None = None
+        if self.checkpoint is not None:
+            if not config.resume:
+                raise ValueError(f"output_dir {self.output_dir} already holds checkpoints; set resume=true to "
+                                 f"continue or choose another output_dir")
+            self.resume_state = torch.load(self.checkpoint / "trainer_state.pt", map_location="cpu",
+                                           weights_only=False)
+            diff = first_difference(self.resume_state["fingerprint"], self.fingerprint)
+            if diff:
+                raise ValueError(f"output_dir {self.output_dir}: its checkpoint was made with a different "
+                                 f"{diff!r}; use the same config to resume or another output_dir")
+        self.start_step = self.resume_state["step"] if self.resume_state else 0
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+
+    def start(self, policy: Policy, sequences: list[TrainSequence]) -> None:
+        """Plan the run over ``sequences``, build the optimizer and restore a checkpoint if any."""
+        config = self.config
+        self.policy = policy
+        self.sequences = sequences
+        self.micro_per_epoch = len(self._epoch_plan(0))
+        self.total_steps = config.max_steps or max(
+            1, math.ceil(config.epochs * self.micro_per_epoch / config.grad_accum_steps))
+        warmup = config.optim.warmup_steps if config.optim.warmup_steps is not None else \
+            int(round(config.optim.warmup_ratio * self.total_steps))
+        self.parameters = policy.trainable_parameters()
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr, betas=tuple(config.optim.betas),
+                                           eps=config.optim.eps, weight_decay=config.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_schedule(self.total_steps, warmup, config.optim.min_lr_ratio))
+        self._plans: dict[int, list[list[int]]] = {}
+        if self.resume_state is not None:
+            load_checkpoint_weights(policy, self.checkpoint)
+            self.optimizer.load_state_dict(self.resume_state["optimizer"])
+            self.scheduler.load_state_dict(self.resume_state["scheduler"])
+            torch.set_rng_state(self.resume_state["torch_rng"])
+            random.setstate(self.resume_state["python_rng"])
+
+    def _epoch_plan(self, epoch: int) -> list[list[int]]:
+        # a pure function of (seed, epoch): a resumed run sees the same batches as an unbroken one
+        return plan_batches(self.sequences, self.config.tokens_per_batch, self.config.batching,
+                            seed=self.config.seed * 100003 + epoch)
+
+    def step_groups(self, step: int) -> list[list[int]]:
+        """Sequence indices of the ``grad_accum_steps`` micro-batches of optimizer step ``step`` (0-based)."""
+        groups = []
+        for k in range(step * self.config.grad_accum_steps, (step + 1) * self.config.grad_accum_steps):
+            epoch, index = divmod(k, self.micro_per_epoch)
+            if epoch not in self._plans:
+                self._plans.clear()
+                self._plans[epoch] = self._epoch_plan(epoch)
+            groups.append(self._plans[epoch][index])
+        return groups
+
+    def epoch_at(self, step: int) -> float:
+        return step * self.config.grad_accum_steps / self.micro_per_epoch
+
+    def should_stop(self, step: int) -> bool:
+        """True when this invocation must stop early (``stop_after_steps``: the resume path's test hook)."""
+        limit = self.config.stop_after_steps
+        return limit is not None and step - self.start_step >= limit
+
+    def optimizer_step(self) -> float | None:
+        """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm."""
+        grad_norm = None
+        if self.config.optim.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.config.optim.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def maybe_save(self, step: int, extra_state: dict[str, Any]) -> Path | None:
+        """Checkpoint after optimizer step ``step`` when it is due (every ``save_every`` and the last)."""
+        if step % self.config.save_every and step != self.total_steps:
+            return None
+        state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                 "fingerprint": self.fingerprint, **extra_state}
+        folder = self.output_dir / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"step-{step:06d}"
+        staging = folder / f".tmp-step-{step:06d}"
+        shutil.rmtree(staging, ignore_errors=True)
+        self.policy.save(staging, {"step": step})
+        torch.save(state, staging / "trainer_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        for old in _checkpoint_dirs(self.output_dir)[:-self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
