@@ -62,3 +62,38 @@ def test_human_demonstrations_replay_and_win():
     # Observations come from the real game: the first names the task, later ones answer actions.
     assert "Your task is to:" in ep.turns[0].observation
     assert ep.turns[1].observation == ep.next_observation(0) != ""
+
+
+_TRANSCRIPT_SCRIPT = """
+import json, sys
+import qevolve.environments.alfworld.env as alfworld_env
+plain = sys.argv[1] == "plain"
+if plain:  # TextWorld exactly as shipped: no shared translations or parses
+    alfworld_env._share_textworld_parses = lambda: None
+env = alfworld_env.AlfWorldEnv("seen")
+out = []
+for task in env.tasks("seen")[::47]:
+    lines = [env.reset(task), sorted(env.admissible_actions())]
+    for action in env.expert_actions() + ["fly to the moon"]:
+        lines += [env.step(action).observation, sorted(env.admissible_actions())]
+    out.append(lines)
+print(json.dumps(out))
+"""
+
+
+def test_shared_textworld_parses_leave_games_unchanged():
+    """The reuse of PDDL translations and grammar parses (a speed-up) must not change any text."""
+    import subprocess
+    import sys
+
+    def transcript(mode: str) -> list:
+        import json
+
+        done = subprocess.run([sys.executable, "-c", _TRANSCRIPT_SCRIPT, mode], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    shared, plain = transcript("shared"), transcript("plain")
+    assert len(shared) == 3 and all(len(lines) > 6 for lines in shared)
+    assert shared == plain

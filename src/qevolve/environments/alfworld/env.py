@@ -48,6 +48,54 @@ def task_type(task_id: str) -> str:
     return task_id.split("/", 1)[0].split("-", 1)[0]
 
 
+def _share_textworld_parses() -> None:
+    """Reuse TextWorld's pure text -> structure translations across loads, resets and steps.
+
+    Profiled here (cProfile over game loads, resets and expert steps), two pure functions of their
+    text arguments take most of an ALFWorld episode's time:
+
+    * fast-downward's PDDL -> SAS translation, run four times per game (TextWorld builds a
+      ``PddlState`` at load and again at reset, each translating plain and optimised) on the same
+      domain and problem text. TextWorld only reads the task it returns, so the last results
+      are kept and reused: two translations per game instead of four.
+    * the text-grammar parser (tatsu) behind every observation: the same grammar rules and
+      templates are parsed again for every game and step. Parses are kept in an LRU cache and a
+      deep copy is returned, because the derivation mutates the symbols it gets.
+    """
+    import copy
+
+    import fast_downward
+    import textworld.envs.pddl.textgen as textgen
+
+    if not getattr(fast_downward.pddl2sas, "_qevolve_shared", False):
+        translate = fast_downward.pddl2sas
+
+        @functools.lru_cache(maxsize=4)  # one game: plain + optimised; the next game evicts it
+        def shared_translation(domain: str, problem: str, verbose: bool, optimize: bool):
+            return translate(domain, problem, verbose=verbose, optimize=optimize)
+
+        def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+            return shared_translation(domain, problem, bool(verbose), bool(optimize))
+
+        pddl2sas._qevolve_shared = True  # type: ignore[attr-defined]
+        fast_downward.pddl2sas = pddl2sas
+
+    if not getattr(textgen._parse_and_convert, "_qevolve_shared", False):
+        parse = textgen._parse_and_convert
+
+        @functools.lru_cache(maxsize=16384)
+        def shared_parse(text: str, rule_name: str, trace: bool):
+            return parse(text, rule_name=rule_name, trace=trace)
+
+        def parse_and_convert(text, **kwargs):
+            if not isinstance(text, str) or "rule_name" not in kwargs or set(kwargs) - {"rule_name", "trace"}:
+                return parse(text, **kwargs)  # a call this cache was not written for: parse it afresh
+            return copy.deepcopy(shared_parse(text, kwargs["rule_name"], bool(kwargs.get("trace", False))))
+
+        parse_and_convert._qevolve_shared = True  # type: ignore[attr-defined]
+        textgen._parse_and_convert = parse_and_convert
+
+
 def clean_observation(text: str) -> str:
     """Drop the TextWorld welcome banner and surrounding whitespace."""
     text = text.replace(WELCOME_BANNER, "")
@@ -67,6 +115,7 @@ class AlfWorldEnv(Environment):
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
         from textworld.envs.wrappers import Filter, GenericEnvironment
 
+        _share_textworld_parses()
         self.root = games_root(data_root)
         self.default_split = split
         self._max_turns = max_turns
