@@ -24,13 +24,11 @@ import torch
 from qevolve.buffer.store import Episode
 from qevolve.buffer.tokenized import TokenizedTrajectory
 from qevolve.critic.config import WeightingConfig
+from qevolve.policy.prompts import episode_segments
 from qevolve.process_rewards.retrospective import RetrospectiveConfig, aux_rewards
 
 __all__ = ["CriticSample", "Segment", "episode_token_segments", "build_samples", "transition_weights",
            "monte_carlo_returns", "token_budget_batches", "sample_tensors", "buffer_fingerprint", "ensure_tokenized"]
-
-
-SEGMENT_START = "segment_start"  # Turn.info key set by the prompt builder on a history restart
 
 
 @dataclass
@@ -79,27 +77,18 @@ class CriticSample:
 
 
 def episode_token_segments(episode: Episode) -> list[TokenizedTrajectory]:
-    """The episode's token sequences: ``context_ids + action_ids`` over the turns, cut at history restarts."""
-    segments: list[TokenizedTrajectory] = []
-    ids: list[int] = []
-    spans: list[tuple[int, int]] = []
-    for t, turn in enumerate(episode.turns):
-        if turn.context_ids is None or turn.action_ids is None:
-            raise ValueError(f"episode {episode.episode_id!r} turn {t} has no token ids; tokenise the buffer first")
-        if t > 0 and turn.info.get(SEGMENT_START):
-            segments.append(TokenizedTrajectory(ids, spans))
-            ids, spans = [], []
-        if not spans and not turn.context_ids:
-            raise ValueError(f"episode {episode.episode_id!r} turn {t}: the first turn of a token sequence needs a "
-                             f"non-empty context (V reads the token before the action)")
-        if not turn.action_ids:
-            raise ValueError(f"episode {episode.episode_id!r} turn {t}: empty action_ids (Q reads its last token)")
-        ids = ids + list(turn.context_ids)
-        start = len(ids)
-        ids += list(turn.action_ids)
-        spans.append((start, len(ids)))
-    segments.append(TokenizedTrajectory(ids, spans))
-    return segments
+    """The episode's token sequences (:func:`qevolve.policy.prompts.episode_segments`), checked for the critic:
+    V reads the token before each action and Q the action's last token, so neither may be empty."""
+    segments = episode_segments(episode)
+    for segment in segments:
+        first_turn = segment.turn_indices[0]
+        if segment.trajectory.action_spans[0][0] == 0:
+            raise ValueError(f"episode {episode.episode_id!r} turn {first_turn}: the first turn of a token sequence "
+                             f"needs a non-empty context (V reads the token before the action)")
+        for t, (start, end) in zip(segment.turn_indices, segment.trajectory.action_spans):
+            if start == end:
+                raise ValueError(f"episode {episode.episode_id!r} turn {t}: empty action_ids (Q reads its last token)")
+    return [segment.trajectory for segment in segments]
 
 
 def transition_weights(num_turns: int, success: bool, config: WeightingConfig) -> torch.Tensor:

@@ -488,7 +488,7 @@ def episode_segments(episode: Episode) -> list[Segment]:
     indices: list[int] = []
     for t, turn in enumerate(episode.turns):
         if turn.context_ids is None or turn.action_ids is None:
-            raise ValueError(f"episode {episode.episode_id!r} turn {t} has no token ids; tokenise it first")
+            raise ValueError(f"episode {episode.episode_id!r} turn {t} has no token ids; tokenise the buffer first")
         if t > 0 and turn.info.get("segment_start"):
             segments.append(Segment(indices, TokenizedTrajectory(ids, spans)))
             ids, spans, indices = [], [], []
