@@ -7,7 +7,9 @@ Each worker process builds one environment, fetches the expert plans of its shar
 (untimed), waits for the others at a barrier, then replays them: resets and steps are timed
 separately and throughput counts steps only. ScienceWorld runs two step paths on the same tasks:
 ``fast`` (the adapter: ``server.step`` + score + completed) and ``stock`` (the package's
-``ScienceWorldEnv.step``, which also lists every valid action and looks around each step); the
+``ScienceWorldEnv.step``, which also lists every valid action and looks around each step). ALFWorld
+runs the adapter twice, in separate worker processes: ``adapter`` (TextWorld with the adapter's
+shared PDDL translations and grammar parses) and ``stock`` (TextWorld exactly as shipped). The
 ratio column is against ``stock`` with the same number of workers. The simulator's resident memory
 (the JVM for ScienceWorld, the worker itself otherwise) is read from /proc after the replays.
 """
@@ -26,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from qevolve.environments.base import make_environment  # noqa: E402
 
 SPLIT = {"sciworld": "train", "alfworld": "train"}
-MODES = {"sciworld": ("fast", "stock"), "alfworld": ("adapter",)}
+MODES = {"sciworld": ("fast", "stock"), "alfworld": ("adapter", "stock")}
+# Modes that need a fresh process each (the ALFWorld speed-up is process-wide once applied).
+SEPARATE_PROCESSES = {"alfworld"}
 
 
 def resident_mb(pid: int) -> float:
@@ -45,8 +49,9 @@ def expert_plan(env, task: str) -> list[str]:
 
 def replay(env, mode: str, task: str, plan: list[str]) -> tuple[int, float, float]:
     """Play ``plan`` on ``task``; return (steps, reset seconds, step seconds)."""
+    stock_sciworld = mode == "stock" and env.name == "sciworld"  # the package's own step path
     t0 = time.perf_counter()
-    if mode == "stock":
+    if stock_sciworld:
         simulator = env.simulator
         name, variation = task.rsplit("/", 1)
         simulator.load(name, int(variation), env.config.simplification)
@@ -57,7 +62,7 @@ def replay(env, mode: str, task: str, plan: list[str]) -> tuple[int, float, floa
     steps = 0
     for action in plan:
         steps += 1
-        if mode == "stock":
+        if stock_sciworld:
             _, _, done, info = simulator.step(action)
             if done or info["score"] >= 100:
                 break
@@ -67,6 +72,10 @@ def replay(env, mode: str, task: str, plan: list[str]) -> tuple[int, float, floa
 
 
 def worker(env_name: str, modes: tuple[str, ...], tasks: list[str], barrier, results) -> None:
+    if env_name == "alfworld" and modes == ("stock",):
+        import qevolve.environments.alfworld.env as alfworld_env
+
+        alfworld_env._share_textworld_parses = lambda: None  # TextWorld as shipped
     env = make_environment(env_name, split=SPLIT[env_name])
     try:
         plans = [(task, expert_plan(env, task)) for task in tasks]
@@ -84,9 +93,14 @@ def worker(env_name: str, modes: tuple[str, ...], tasks: list[str], barrier, res
 
 
 def run(env_name: str, num_workers: int, tasks: list[str]) -> list[dict]:
+    if env_name in SEPARATE_PROCESSES:
+        return [row for mode in MODES[env_name] for row in run_modes(env_name, num_workers, tasks, (mode,))]
+    return run_modes(env_name, num_workers, tasks, MODES[env_name])
+
+
+def run_modes(env_name: str, num_workers: int, tasks: list[str], modes: tuple[str, ...]) -> list[dict]:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(num_workers), ctx.Queue()
-    modes = MODES[env_name]
     shares = [tasks[i::num_workers] for i in range(num_workers)]
     procs = [ctx.Process(target=worker, args=(env_name, modes, share, barrier, results)) for share in shares]
     for p in procs:
