@@ -17,8 +17,8 @@ turns alike), never on new environment interaction:
 * The loss is averaged over action tokens; the objective is a registered name (``bppo`` or the
   ``awr`` ablation), so swapping it is a config value.
 
-Training mechanics (packing, schedule, checkpoints, resume, TensorBoard) are those of behaviour
-cloning (:mod:`qevolve.policy.bc`).
+Training mechanics (packing, schedule, checkpoints, resume, TensorBoard) are shared with behaviour
+cloning in :mod:`qevolve.policy.trainer`.
 """
 
 from __future__ import annotations
