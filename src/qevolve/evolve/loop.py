@@ -274,10 +274,6 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 episodes, summary = label_episodes(read_episodes(root / buffer_path), model, config.label,
                                                    progress=config.progress)
                 write_episodes(workdir / "labelled.parquet", episodes, {"env": config.env, "iteration": k})
-                won = [t.advantage for ep in episodes if ep.won for t in ep.turns]
-                lost = [t.advantage for ep in episodes if not ep.won for t in ep.turns]
-                summary["advantage_mean_won"] = sum(won) / len(won) if won else float("nan")
-                summary["advantage_mean_lost"] = sum(lost) / len(lost) if lost else float("nan")
                 return {"labelled": "labelled.parquet"}, {key: value for key, value in summary.items()
                                                           if isinstance(value, (int, float))}
 

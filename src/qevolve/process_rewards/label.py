@@ -84,6 +84,11 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
     flat_adv = np.concatenate(advantages)
     first_values = np.array([traj.values[0] for traj in trajectories])
     success = np.array([s.success for s in samples])
+
+    def turn_mean(arrays, which: bool) -> float:
+        chosen = [a for a, won in zip(arrays, success) if won == which]
+        return float(np.concatenate(chosen).mean()) if chosen else float("nan")
+
     summary = {
         "episodes": len(episodes),
         "turns": int(flat_adv.size),
@@ -95,6 +100,11 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         "advantage_std": float(flat_adv.std()),
         "v0_success": float(first_values[success].mean()) if success.any() else float("nan"),
         "v0_failure": float(first_values[~success].mean()) if (~success).any() else float("nan"),
+        # over all turns of won (last r_env non-zero) and of lost trajectories
+        "v_mean_won": turn_mean([np.asarray(t.values) for t in trajectories], True),
+        "v_mean_lost": turn_mean([np.asarray(t.values) for t in trajectories], False),
+        "advantage_mean_won": turn_mean(advantages, True),
+        "advantage_mean_lost": turn_mean(advantages, False),
         "r_aux_nonzero": float(np.mean(np.concatenate([t.aux_rewards for t in trajectories]) != 0)),
     }
     return episodes, summary
