@@ -28,7 +28,7 @@ from typing import Any, Callable, Literal
 import torch
 from pydantic import Field
 
-from qevolve.buffer.store import Episode, read_episodes, write_episodes
+from qevolve.buffer.store import read_episodes, write_episodes
 from qevolve.config import StageConfig
 from qevolve.critic.config import CriticConfig
 from qevolve.evolve.run_dir import RunDirectory
