@@ -25,7 +25,7 @@ Log-probs are those of the sampled tokens under the policy's own distribution at
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import torch

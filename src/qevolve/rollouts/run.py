@@ -6,7 +6,6 @@ stopped (episodes already in the shards are skipped). ``eval`` also writes ``met
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any

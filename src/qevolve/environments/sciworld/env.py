@@ -21,7 +21,6 @@ its final ``info["score"]``. ``info["won"]`` is True once the score reached 100.
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import threading
 from pathlib import Path
