@@ -296,6 +296,9 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
                       time.perf_counter() - started, final_dir, losses)
     if not interrupted:
         output_dir.mkdir(parents=True, exist_ok=True)
-        summary = {**result.as_dict(), "config": config.model_dump(mode="json")}
+        # relative to the summary's folder, so the summary stays true when the folder moves (evolve
+        # trains in a staging folder and renames it)
+        summary = {**result.as_dict(), "final_dir": "final" if final_dir else None,
+                   "config": config.model_dump(mode="json")}
         (output_dir / "bc_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return result

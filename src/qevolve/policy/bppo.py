@@ -230,5 +230,6 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
                           time.perf_counter() - started, final_dir, stats_log)
     if not interrupted:
-        (output_dir / "policy_summary.json").write_text(json.dumps(result.summary(), indent=1, default=str))
+        summary = {**result.summary(), "final_dir": "final" if final_dir else None}  # relative, as in BC
+        (output_dir / "policy_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return result
