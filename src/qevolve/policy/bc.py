@@ -204,7 +204,7 @@ def evaluate_nll(policy: Policy, sequences: list[TrainSequence], tokens_per_batc
 def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     """Train the policy by behaviour cloning; resumable; returns losses and held-out evaluations."""
     started = time.perf_counter()
-    trainer = Trainer(config, "bc", _BC_RESUME_FREE)  # seeds, and refuses a mismatched checkpoint early
+    trainer = Trainer(config, _BC_RESUME_FREE)  # seeds, and refuses a mismatched checkpoint early
     policy = load_policy(config.model, trainable=True)
     model = policy.model
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.data.env)

@@ -130,7 +130,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     started = time.perf_counter()
     if not config.buffer_path:
         raise ValueError("buffer_path: a labelled trajectory store is required")
-    trainer = Trainer(config, "policy")  # seeds, and refuses a mismatched checkpoint early
+    trainer = Trainer(config)  # seeds, and refuses a mismatched checkpoint early
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     episodes = read_episodes(Path(config.buffer_path).expanduser())

@@ -176,16 +176,15 @@ class ScalarWriter:
 class Trainer:
     """Optimizer, schedule, micro-batch plan and checkpoints of one training run.
 
-    Use: ``trainer = Trainer(config, stage, free_fields)`` before building the model (it reads
+    Use: ``trainer = Trainer(config, free_fields)`` before building the model (it reads
     the newest checkpoint and refuses a mismatched config early), then
     ``trainer.start(policy, sequences)`` once the data is tokenised, then per optimizer step
     ``trainer.step_groups(step)`` -> the micro-batches' sequence indices, the stage's forward and
     backward passes, ``trainer.optimizer_step()``, and ``trainer.maybe_save(step, extra_state)``.
     """
 
-    def __init__(self, config: TrainingConfig, stage: str, free: frozenset[str] = RESUME_FREE):
+    def __init__(self, config: TrainingConfig, free: frozenset[str] = RESUME_FREE):
         self.config = config
-        self.stage = stage
         self.output_dir = Path(config.output_dir).expanduser()
         self.fingerprint = resume_fingerprint(config, free)
         self.checkpoint = latest_checkpoint(self.output_dir)
@@ -209,7 +208,8 @@ class Trainer:
         config = self.config
         self.policy = policy
         self.sequences = sequences
-        self.micro_per_epoch = len(self._epoch_plan(0))
+        first_plan = self._epoch_plan(0)
+        self.micro_per_epoch = len(first_plan)
         self.total_steps = config.max_steps or max(
             1, math.ceil(config.epochs * self.micro_per_epoch / config.grad_accum_steps))
         warmup = config.optim.warmup_steps if config.optim.warmup_steps is not None else \
@@ -219,7 +219,7 @@ class Trainer:
                                            eps=config.optim.eps, weight_decay=config.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_schedule(self.total_steps, warmup, config.optim.min_lr_ratio))
-        self._plans: dict[int, list[list[int]]] = {}
+        self._plans: dict[int, list[list[int]]] = {0: first_plan}  # the current epoch's plan only
         if self.resume_state is not None:
             load_checkpoint_weights(policy, self.checkpoint)
             self.optimizer.load_state_dict(self.resume_state["optimizer"])

@@ -89,6 +89,8 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         chosen = [a for a, won in zip(arrays, success) if won == which]
         return float(np.concatenate(chosen).mean()) if chosen else float("nan")
 
+    values = [np.asarray(t.values) for t in trajectories]
+
     summary = {
         "episodes": len(episodes),
         "turns": int(flat_adv.size),
@@ -101,8 +103,8 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         "v0_success": float(first_values[success].mean()) if success.any() else float("nan"),
         "v0_failure": float(first_values[~success].mean()) if (~success).any() else float("nan"),
         # over all turns of won (last r_env non-zero) and of lost trajectories
-        "v_mean_won": turn_mean([np.asarray(t.values) for t in trajectories], True),
-        "v_mean_lost": turn_mean([np.asarray(t.values) for t in trajectories], False),
+        "v_mean_won": turn_mean(values, True),
+        "v_mean_lost": turn_mean(values, False),
         "advantage_mean_won": turn_mean(advantages, True),
         "advantage_mean_lost": turn_mean(advantages, False),
         "r_aux_nonzero": float(np.mean(np.concatenate([t.aux_rewards for t in trajectories]) != 0)),
