@@ -48,6 +48,24 @@ def expert_task_type(env_name: str) -> Callable[[str], str]:
     return _TASK_TYPES.get(env_name, lambda task_id: "all")
 
 
+def filter_task_types(env_name: str, task_ids: list[str], task_types: list[str] | None,
+                      source: str = "task_types") -> list[str]:
+    """The ids whose task type (the environment's registered grouping) is in ``task_types`` (None: all).
+
+    A requested type that none of ``task_ids`` has is an error naming it and the types that exist,
+    so a typo cannot silently select nothing."""
+    if task_types is None:
+        return list(task_ids)
+    type_of = expert_task_type(env_name)
+    present = {type_of(task_id) for task_id in task_ids}
+    unknown = [t for t in task_types if t not in present]
+    if unknown:
+        raise ValueError(f"{source}: {env_name} has no task type {unknown[0]!r} here; expected some of "
+                         f"{sorted(present)}")
+    wanted = set(task_types)
+    return [task_id for task_id in task_ids if type_of(task_id) in wanted]
+
+
 def expert_retries(env_name: str) -> Callable[[str], int]:
     get_expert_source(env_name)
     return _RETRIES.get(env_name, lambda task_id: 0)

@@ -50,6 +50,7 @@ class BCDataConfig(StageConfig):
     num_demonstrations: int | None = Field(None, ge=1, description="use only this many episodes (a seeded "
                                            "random subset; null: all)")
     only_won: bool = Field(True, description="keep only successful episodes")
+    task_types: list[str] | None = Field(None, description="clone only episodes of these task types (null: all)")
     eval_path: str | None = Field(None, description="held-out trajectory store for the agent-token loss "
                                   "(e.g. unseen-task walkthroughs); null: hold out eval_holdout train episodes")
     num_eval: int | None = Field(None, ge=1, description="use only this many held-out episodes (null: all)")
@@ -154,6 +155,12 @@ def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None)
         raise FileNotFoundError(f"data.train_path {train_path}: not found (build the expert set with "
                                 f"`qevolve data expert {data.env}`)")
     episodes = load_buffer(train_path, data.only_won)
+    if data.task_types is not None:
+        from qevolve.environments.experts import filter_task_types
+
+        keep = set(filter_task_types(data.env, sorted({ep.task_id for ep in episodes}), data.task_types,
+                                     "data.task_types"))
+        episodes = [ep for ep in episodes if ep.task_id in keep]
     eval_episodes: list[Episode] = []
     if data.eval_path:
         eval_episodes = _subset(load_buffer(data.eval_path, data.only_won), data.num_eval, config.seed)

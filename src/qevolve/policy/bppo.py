@@ -38,7 +38,7 @@ from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batc
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
 from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
-from qevolve.policy.objectives import ObjectiveConfig, compute_objective
+from qevolve.policy.objectives import PAIR_OBJECTIVES, ObjectiveConfig, compute_objective
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
 
@@ -57,7 +57,8 @@ class PolicyStageConfig(TrainingConfig):
     reference: str | None = Field(None, description="the behaviour-cloned policy pi_ref of the KL term "
                                   "(null: the starting policy, as in the first iteration)")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (as in BC/rollouts)")
-    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default) or awr")
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default), awr, or the "
+                                       "dpo baseline")
     standardize_advantages: Literal["none", "buffer", "batch"] = Field(
         "batch", description="standardise advantages over the buffer's turns, per micro-batch's tokens, or not")
     only_sources: list[str] | None = Field(None, description="train only on turns of these sources "
@@ -127,6 +128,10 @@ def _standardize(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = print) -> PolicyResult:
     """One BPPO (or AWR) phase on the labelled buffer; resumable; returns per-step statistics."""
+    if config.objective.name in PAIR_OBJECTIVES:
+        from qevolve.policy.dpo import run_dpo
+
+        return run_dpo(config, log=log)
     started = time.perf_counter()
     if not config.buffer_path:
         raise ValueError("buffer_path: a labelled trajectory store is required")

@@ -30,13 +30,15 @@ from pydantic import Field, model_validator
 from qevolve.config import StageConfig
 
 __all__ = ["ObjectiveConfig", "ObjectiveOutput", "register_objective", "get_objective", "objective_names",
-           "compute_objective", "bppo_loss", "awr_loss", "kl_penalty", "masked_mean", "gather_token_logprobs"]
+           "compute_objective", "PAIR_OBJECTIVES", "bppo_loss", "awr_loss", "kl_penalty", "masked_mean",
+           "gather_token_logprobs"]
 
 
 class ObjectiveConfig(StageConfig):
     """The policy loss and its hyper-parameters."""
 
-    name: str = Field("bppo", description="registered policy loss: bppo (clipped, behaviour-proximal) or awr")
+    name: str = Field("bppo", description="registered policy loss: bppo (clipped, behaviour-proximal), awr, or dpo "
+                      "(ETO-style trajectory pairs of the same task; a baseline, see qevolve.policy.dpo)")
     eps_low: float = Field(0.8, ge=0.0, le=1.0,
                            description="BPPO lower clip: the ratio may fall to 1 - eps_low on negative advantages "
                                        "(unverified default from one write-up of the paper)")
@@ -46,10 +48,17 @@ class ObjectiveConfig(StageConfig):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator (see module docs)")
     awr_beta: float = Field(1.0, gt=0.0, description="AWR temperature: weight = exp(beta * A)")
     awr_max_weight: float = Field(20.0, gt=0.0, description="AWR clamp on exp(beta * A)")
+    dpo_beta: float = Field(0.1, gt=0.0, description="DPO temperature beta on the trajectory log-ratios")
+    dpo_sft_coef: float = Field(0.0, ge=0.0, description="DPO: weight of an added NLL term on the chosen "
+                                "trajectories (0: plain DPO, as in ETO)")
+    dpo_min_score_gap: float = Field(1e-6, gt=0.0, description="DPO: a pair's chosen episode must score at least "
+                                     "this much more than its rejected one")
+    dpo_max_pairs_per_task: int | None = Field(None, ge=1, description="DPO: at most this many pairs per task "
+                                               "(null: every worse episode of the task)")
 
     @model_validator(mode="after")
     def _known_name(self) -> "ObjectiveConfig":
-        if self.name not in _OBJECTIVES:
+        if self.name not in _OBJECTIVES and self.name not in PAIR_OBJECTIVES:
             raise ValueError(f"name {self.name!r}: expected one of {objective_names()}")
         return self
 
@@ -74,13 +83,19 @@ def register_objective(name: str) -> Callable[[Objective], Objective]:
     return decorate
 
 
+# Objectives over (chosen, rejected) trajectory pairs rather than per-token advantages: their stage
+# runner lives in its own module and `qevolve policy` dispatches to it by name.
+PAIR_OBJECTIVES = frozenset({"dpo"})
+
+
 def objective_names() -> list[str]:
-    return sorted(_OBJECTIVES)
+    return sorted(set(_OBJECTIVES) | PAIR_OBJECTIVES)
 
 
 def get_objective(name: str) -> Objective:
     if name not in _OBJECTIVES:
-        raise ValueError(f"policy objective {name!r}: expected one of {objective_names()}")
+        raise ValueError(f"policy objective {name!r}: expected one of {sorted(_OBJECTIVES)} (pair objectives "
+                         f"{sorted(PAIR_OBJECTIVES)} have their own runner)")
     return _OBJECTIVES[name]
 
 

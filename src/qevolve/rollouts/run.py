@@ -14,6 +14,7 @@ from pydantic import Field
 
 from qevolve.buffer.store import Episode, read_episodes, shard_paths, write_shard
 from qevolve.config import StageConfig
+from qevolve.environments.experts import filter_task_types
 from qevolve.environments.play import list_tasks
 from qevolve.evaluation.metrics import episode_metrics
 from qevolve.evolve.run_dir import package_versions, write_json_atomic
@@ -31,6 +32,8 @@ class RolloutConfig(StageConfig):
     limit: int | None = Field(None, ge=1, description="only the first N tasks of the split (quick runs)")
     task_stride: int = Field(1, ge=1, description="take every k-th task of the split (spreads a small --limit "
                              "over task types, which ALFWorld lists grouped)")
+    task_types: list[str] | None = Field(None, description="only tasks of these types (the environment's "
+                                         "grouping, e.g. ALFWorld pick_and_place_simple); null: all")
     episodes_per_task: int = Field(1, ge=1, description="episodes per task (N in the paper)")
     shard_size: int = Field(50, ge=1, description="episodes per written shard (the unit of resume)")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the acting policy")
@@ -48,7 +51,8 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
     """Act on the configured split; write shards into ``output`` (resumable). Returns metrics."""
     output.mkdir(parents=True, exist_ok=True)
     done_ids = {ep.episode_id for path in shard_paths(output) for ep in read_episodes(path)}
-    tasks = select_tasks(list_tasks(config.env, config.split), config.task_stride, config.limit)
+    tasks = filter_task_types(config.env, list_tasks(config.env, config.split), config.task_types)
+    tasks = select_tasks(tasks, config.task_stride, config.limit)
     jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
             if job[0] not in done_ids]
     if policy is None:
@@ -99,7 +103,8 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
 def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
     """Rollouts on an evaluation split plus ``metrics.json`` with the protocol recorded beside it."""
     metrics = run_rollouts(config, output / "trajectories", progress, policy)
-    metrics["protocol"] = {"env": config.env, "split": config.split, "limit": config.limit,
+    metrics["protocol"] = {"env": config.env, "split": config.split, "task_types": config.task_types,
+                           "limit": config.limit,
                            "task_stride": config.task_stride, "max_turns": config.agent.max_turns,
                            "decoding": "greedy" if config.agent.temperature <= 0 else
                            f"T={config.agent.temperature}, top_p={config.agent.top_p}",

@@ -1,0 +1,212 @@
+"""ETO-style trajectory DPO on a buffer: the ``dpo`` policy objective (a baseline, not Q-Evolve).
+
+ETO (Song et al., 2024, "Trial and Error: Exploration-Based Trajectory Optimization for LLM Agents")
+contrasts a successful and a failed trajectory of the *same task* with the DPO loss, the log-
+likelihood of a trajectory being the sum over its agent tokens (observations are conditioned on,
+never scored):
+
+    logp(tau)   = sum_{agent tokens k of tau} log pi(token_k | tokens_<k)
+    margin      = beta * [ (logp_theta(tau_w) - logp_ref(tau_w)) - (logp_theta(tau_l) - logp_ref(tau_l)) ]
+    L_DPO       = - E_pairs[ log sigmoid(margin) ]                                   (+ sft_coef * NLL(tau_w))
+
+``pi_ref`` is the behaviour-cloned policy (its log-probs are computed once, before any update).
+
+Pairs come from one buffer only, and only from episodes of the same task: for every task, the
+best-scoring episode is the chosen one and every episode of that task with a strictly lower score
+(by at least ``min_score_gap``) is a rejected one (``max_pairs_per_task`` caps them). With a
+Q-Evolve buffer (expert demonstrations + self rollouts on the same training tasks) that is ETO's
+(expert success, own failure) contrast.
+
+Training mechanics (optimizer, schedule, checkpoints, resume) are the shared
+:class:`qevolve.policy.trainer.Trainer`; its micro-batch plan runs over *pairs* (each pair's token
+count is the sum of both trajectories' sequences), so a pair is never split across micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from qevolve.buffer.store import Episode, read_episodes
+from qevolve.policy.batching import collate
+from qevolve.policy.bc import prepare_sequences
+from qevolve.policy.forward import target_logprobs
+from qevolve.policy.model import load_policy, unwrap_model
+from qevolve.policy.prompts import PromptBuilder
+from qevolve.policy.trainer import ScalarWriter, Trainer
+
+__all__ = ["build_preference_pairs", "dpo_loss", "run_dpo"]
+
+
+def build_preference_pairs(episodes: list[Episode], min_score_gap: float = 1e-6,
+                           max_pairs_per_task: int | None = None) -> list[tuple[int, int]]:
+    """(chosen, rejected) indices into ``episodes``: same task, chosen scores higher by ``min_score_gap``.
+
+    The chosen episode of a task is its best-scoring one (ties: expert before self, then episode id);
+    rejected are the others of the task that score at least ``min_score_gap`` less, lowest id first."""
+    by_task: dict[str, list[int]] = defaultdict(list)
+    for index, episode in enumerate(episodes):
+        by_task[episode.task_id].append(index)
+    pairs: list[tuple[int, int]] = []
+    for task_id in sorted(by_task):
+        members = by_task[task_id]
+        best = min(members, key=lambda i: (-episodes[i].score, episodes[i].source != "expert",
+                                           episodes[i].episode_id))
+        worse = sorted((i for i in members if episodes[i].score <= episodes[best].score - min_score_gap),
+                       key=lambda i: episodes[i].episode_id)
+        if max_pairs_per_task is not None:
+            worse = worse[:max_pairs_per_task]
+        pairs.extend((best, i) for i in worse)
+    return pairs
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair DPO loss ``-log sigmoid(beta * (chosen log-ratio - rejected log-ratio))`` and the margins.
+
+    Each argument is ``[pairs]``: the summed agent-token log-probs of a trajectory under the policy
+    being trained or the reference."""
+    margin = beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))
+    return -F.logsigmoid(margin), margin
+
+
+@dataclass
+class _PairUnit:
+    """What the trainer plans over: one pair, as long as both of its trajectories' sequences."""
+
+    sequences: list[int]
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def run_dpo(config, log: Callable[[str], None] = print):
+    """One DPO phase (``config`` is a :class:`qevolve.policy.bppo.PolicyStageConfig` with
+    ``objective.name == "dpo"``); resumable; returns a :class:`qevolve.policy.bppo.PolicyResult`."""
+    from qevolve.policy.bppo import PolicyResult, sequence_logprobs
+
+    started = time.perf_counter()
+    objective = config.objective
+    if not config.buffer_path:
+        raise ValueError("buffer_path: a trajectory store with successful and failed episodes is required")
+    trainer = Trainer(config)
+    policy = load_policy(config.model, trainable=True)
+    builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
+    episodes = read_episodes(Path(config.buffer_path).expanduser())
+    if config.only_sources is not None:
+        episodes = [ep for ep in episodes if ep.source in set(config.only_sources)]
+    pairs = build_preference_pairs(episodes, objective.dpo_min_score_gap, objective.dpo_max_pairs_per_task)
+    if not pairs:
+        raise ValueError(f"buffer_path {config.buffer_path}: no (better, worse) episode pairs of the same task; "
+                         "DPO needs a task with episodes of different scores")
+    used = sorted({i for pair in pairs for i in pair})
+    position = {episode_index: k for k, episode_index in enumerate(used)}
+    max_length = getattr(unwrap_model(policy.model).config, "max_position_embeddings", None)
+    sequences = prepare_sequences([episodes[i] for i in used], builder, max_length, config.buffer_path)
+    of_episode: dict[int, list[int]] = defaultdict(list)  # position in `used` -> sequence indices
+    for s, sequence in enumerate(sequences):
+        of_episode[sequence.episode].append(s)
+    units = [_PairUnit(of_episode[position[w]] + of_episode[position[l]],
+                       sum(len(sequences[s]) for s in of_episode[position[w]] + of_episode[position[l]]))
+             for w, l in pairs]
+
+    progress = config.progress
+    if trainer.resume_state is not None:
+        ref_logp = trainer.resume_state["ref_logprobs"]
+    else:
+        reference = policy
+        if config.reference and Path(config.reference).expanduser() != Path(policy.source):
+            reference = load_policy(config.model.model_copy(update={"name_or_path": config.reference}),
+                                    trainable=False)
+        ref_logp = sequence_logprobs(reference, sequences, config.tokens_per_batch, config.batching, progress,
+                                     "pi_ref")
+        del reference
+    ref_sum = torch.tensor([float(t.sum()) for t in ref_logp], dtype=torch.float64)
+
+    trainer.start(policy, units)  # type: ignore[arg-type]  (the plan only needs len())
+    total_steps, start_step = trainer.total_steps, trainer.start_step
+    log(f"policy (dpo, beta {objective.dpo_beta}): {len(pairs)} pairs over {len(used)} episodes of "
+        f"{len({episodes[w].task_id for w, _ in pairs})} tasks; {total_steps} steps; model {policy.source}")
+
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
+    pad_id = policy.tokenizer.pad_token_id or 0
+    stats_log: list[dict[str, float]] = []
+    interrupted = False
+    step = start_step
+    model = policy.model
+    model.train()
+    bar = tqdm(total=total_steps, initial=start_step, desc="policy/dpo", unit="step", disable=not progress)
+    while step < total_steps:
+        if trainer.should_stop(step):
+            interrupted = True
+            break
+        t0 = time.perf_counter()
+        groups = trainer.step_groups(step)
+        step_pairs = sum(len(group) for group in groups)
+        step_stats: dict[str, float] = {}
+        tokens = 0
+        for group in groups:
+            seq_indices = [s for u in group for s in units[u].sequences]
+            batch = collate(sequences, seq_indices, config.batching, pad_id).to(policy.device)
+            tokens += batch.num_tokens
+            with policy.autocast():
+                logp = target_logprobs(model, batch).float()
+            # collate emits targets sequence by sequence, in the given order
+            sums = torch.split(logp, [sequences[s].num_targets for s in seq_indices])
+            seq_sum = dict(zip(seq_indices, (t.sum() for t in sums)))
+            chosen, rejected, ref_c, ref_r, nll_c = [], [], [], [], []
+            for u in group:
+                w, l = pairs[u]
+                ws, ls = of_episode[position[w]], of_episode[position[l]]
+                chosen.append(torch.stack([seq_sum[s] for s in ws]).sum())
+                rejected.append(torch.stack([seq_sum[s] for s in ls]).sum())
+                ref_c.append(float(ref_sum[ws].sum()))
+                ref_r.append(float(ref_sum[ls].sum()))
+                nll_c.append(-chosen[-1] / max(sum(sequences[s].num_targets for s in ws), 1))
+            losses, margins = dpo_loss(torch.stack(chosen), torch.stack(rejected),
+                                       torch.tensor(ref_c, device=logp.device),
+                                       torch.tensor(ref_r, device=logp.device), objective.dpo_beta)
+            loss = losses.sum() / step_pairs  # the mean over the step's pairs
+            if objective.dpo_sft_coef > 0:
+                loss = loss + objective.dpo_sft_coef * torch.stack(nll_c).sum() / step_pairs
+            loss.backward()
+            share = len(group) / step_pairs
+            for key, value in (("loss", float(loss.detach()) / share), ("dpo_loss", float(losses.mean().detach())),
+                               ("reward_margin", float(margins.mean().detach())),
+                               ("reward_accuracy", float((margins > 0).float().mean())),
+                               ("chosen_logratio", float((torch.stack(chosen).detach().cpu()
+                                                          - torch.tensor(ref_c)).mean())),
+                               ("rejected_logratio", float((torch.stack(rejected).detach().cpu()
+                                                            - torch.tensor(ref_r)).mean()))):
+                step_stats[key] = step_stats.get(key, 0.0) + value * share
+        grad_norm = trainer.optimizer_step()
+        if grad_norm is not None:
+            step_stats["grad_norm"] = grad_norm
+        step += 1
+        step_stats["tokens_per_second"] = tokens / (time.perf_counter() - t0)
+        stats_log.append(step_stats)
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_stats['loss']:.4f}", acc=f"{step_stats['reward_accuracy']:.2f}")
+        if step % config.log_every == 0:
+            writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
+        trainer.maybe_save(step, {"ref_logprobs": ref_logp})
+    bar.close()
+    writer.close()
+    final_dir = None
+    if not interrupted and config.save_final:
+        final_dir = policy.save(trainer.output_dir / "final", {"policy_steps": step, "objective": "dpo"})
+    result = PolicyResult(step, total_steps, interrupted, len(sequences), sum(s.num_targets for s in sequences),
+                          time.perf_counter() - started, final_dir, stats_log)
+    if not interrupted:
+        summary = {**result.summary(), "pairs": len(pairs), "final_dir": "final" if final_dir else None}
+        (trainer.output_dir / "policy_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return result
