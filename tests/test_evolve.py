@@ -99,3 +99,45 @@ def test_every_shipped_evolve_config_loads():
     assert configs["no_rr"].critic.retrospective.enabled is False
     assert {configs[f"adv_{e}"].label.estimator for e in ("gae_env", "gae_env_aux", "td1", "q_minus_v")} == \
            {"gae_env", "gae_env_aux", "td1", "q_minus_v"}
+
+
+def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_dir, tmp_path):
+    """One command gives RFT, ETO-DPO and an ablation variant beside Q-Evolve, all from iteration 1's buffer."""
+    config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="baselines")
+    config = config.model_copy(update={
+        "iterations": 1, "baselines": ["rft", "eto"],
+        "rollout": config.rollout.model_copy(update={"tasks": "buffer_experts"}),
+        "buffer": config.buffer.model_copy(update={"num_expert": 2}),
+        "eval": config.eval.model_copy(update={"splits": ["seen"]}),
+        "rft": config.rft.model_copy(update={"max_steps": 1, "grad_accum_steps": 1, "tokens_per_batch": 2048,
+                                             "tensorboard": False}),
+        "eto": config.eto.model_copy(update={"max_steps": 1, "grad_accum_steps": 1, "tokens_per_batch": 4096,
+                                             "tensorboard": False}),
+    })
+    config = EvolveConfig.model_validate({**config.model_dump(), "variants": {
+        "q_minus_v": {"label": {"estimator": "q_minus_v"}},
+        "awr": {"policy": {"objective": {"name": "awr", "kl_coef": 0.0}}},
+    }})
+    table = run_evolve(config, log=lambda m: None)
+    root = tmp_path / "runs" / "baselines"
+    names = [s["name"] for s in json.loads((root / "manifest.json").read_text())["stages"]]
+    assert names == ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
+                     "iter_1/policy", "iter_1/rft/policy", "iter_1/rft/eval_seen", "iter_1/eto/policy",
+                     "iter_1/eto/eval_seen", "iter_1/q_minus_v/label", "iter_1/q_minus_v/policy",
+                     "iter_1/q_minus_v/eval_seen", "iter_1/awr/policy", "iter_1/awr/eval_seen",
+                     "iter_1/eval_seen"]
+    assert [row["policy"] for row in table] == ["BC", "RFT (iter 1 buffer)", "ETO-DPO (iter 1 buffer)",
+                                                "q_minus_v (iter 1)", "awr (iter 1)", "Q-Evolve iter 1"]
+    # the self rollouts ran on exactly the buffer's expert tasks, so every failure has a partner
+    buffer = read_episodes(root / "iter_1/buffer/buffer.parquet")
+    expert_tasks = {ep.task_id for ep in buffer if ep.source == "expert"}
+    assert {ep.task_id for ep in buffer if ep.source == "self"} == expert_tasks and len(expert_tasks) == 2
+    labelled = read_episodes(root / "iter_1/q_minus_v/label/labelled.parquet")
+    main = read_episodes(root / "iter_1/label/labelled.parquet")
+    assert [t.advantage for ep in labelled for t in ep.turns] != [t.advantage for ep in main for t in ep.turns]
+
+
+def test_a_bad_variant_override_names_the_variant(experts_path, tiny_model_dir, tmp_path):
+    config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="badvariant")
+    with pytest.raises(ValueError, match="variants.oops.label"):  # at start-up, before any stage
+        EvolveConfig.model_validate({**config.model_dump(), "variants": {"oops": {"label": {"estimator": "nosuch"}}}})

@@ -10,6 +10,13 @@
         pi     <- BPPO on (s_t, a_t, A_t) of D                iter_k/policy
         evaluate pi on seen and unseen                        iter_k/eval_<split>
 
+Baselines and ablations at equal data (iteration 1 only, from the same BC policy and the same buffer):
+
+    baselines: rft   BC continued on the buffer's won episodes     iter_1/rft/policy, iter_1/rft/eval_<split>
+               eto   DPO on (better, worse) pairs of one task      iter_1/eto/policy, iter_1/eto/eval_<split>
+    variants:  NAME  the critic/label/policy stages again with     iter_1/NAME/{critic,label,policy,eval_<split>}
+                     overrides (e.g. plain IQL, Q - V, AWR)
+
 Every stage runs through :class:`qevolve.evolve.run_dir.RunDirectory`: it writes into a temporary
 folder that is renamed into ``runs/NAME/<stage>`` when it finishes, and the manifest records what
 it read, wrote and measured. ``--resume`` skips recorded stages, so a killed run loses at most the
@@ -26,11 +33,12 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from qevolve.buffer.store import read_episodes, write_episodes
 from qevolve.config import StageConfig
 from qevolve.critic.config import CriticConfig
+from qevolve.environments.experts import filter_task_types
 from qevolve.evolve.run_dir import RunDirectory
 from qevolve.policy.bc import BCConfig
 from qevolve.policy.bppo import PolicyStageConfig
@@ -45,6 +53,10 @@ EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "
 
 class RolloutSettings(StageConfig):
     split: str = Field("train", description="tasks the policy collects D_self on")
+    tasks: Literal["split", "buffer_experts"] = Field(
+        "split", description="split: the split's tasks (limit/task_stride apply); buffer_experts: the tasks of "
+        "the buffer's expert demonstrations, so every self episode has an expert episode of its task (the "
+        "pairs of the eto baseline)")
     limit: int | None = Field(None, ge=1, description="at most this many tasks (null: the whole split)")
     task_stride: int = Field(1, ge=1, description="every k-th task of the split (spreads a small limit over task types)")
     episodes_per_task: int = Field(1, ge=1, description="episodes per task")
@@ -67,6 +79,32 @@ class BufferSettings(StageConfig):
     only_won_expert: bool = Field(True, description="keep only successful expert episodes")
 
 
+class VariantSettings(StageConfig):
+    """An ablation at equal data: iteration 1's critic, label and policy stages again with overrides."""
+
+    critic: dict[str, Any] = Field(default_factory=dict, description="overrides of the critic config (a new "
+                                   "critic is trained when non-empty, else the main one is reused)")
+    label: dict[str, Any] = Field(default_factory=dict, description="overrides of the label config")
+    policy: dict[str, Any] = Field(default_factory=dict, description="overrides of the policy config")
+
+
+def _override(config: StageConfig, updates: dict[str, Any], where: str) -> StageConfig:
+    """``config`` with nested ``updates`` applied, validated (errors name ``where``)."""
+    def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+    from pydantic import ValidationError
+
+    try:
+        return type(config).model_validate(merge(config.model_dump(), updates))
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{where}.{field}: {first['msg']} (got {first.get('input')!r})") from None
+
+
 class EvolveConfig(StageConfig):
     """The whole loop: ``qevolve evolve --config configs/quickstart.yaml [key=value ...]``."""
 
@@ -75,6 +113,8 @@ class EvolveConfig(StageConfig):
     env: str = Field("alfworld", description="environment")
     seed: int = Field(0, description="seed of every stage (each stage derives its own from it)")
     iterations: int = Field(1, ge=0, description="K, the number of self-evolving iterations")
+    task_types: list[str] | None = Field(None, description="restrict the whole protocol (BC data, expert buffer, "
+                                         "rollout and evaluation tasks) to these task types (null: all)")
     init_checkpoint: str | None = Field(None, description="reuse this BC policy instead of training one")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null: torch's default)")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the base policy model (BC starts from it)")
@@ -91,9 +131,31 @@ class EvolveConfig(StageConfig):
     label: LabelConfig = Field(default_factory=LabelConfig, description="process rewards")
     policy: PolicyStageConfig = Field(default_factory=PolicyStageConfig, description="BPPO (its model, reference, "
                                       "buffer and output_dir are set by the loop)")
+    baselines: list[Literal["rft", "eto"]] = Field(
+        default_factory=list, description="baselines trained in iteration 1 from the same policy on the same "
+        "buffer: rft (rejection-sampling fine-tuning: BC on the buffer's won episodes, expert and self), eto "
+        "(DPO on trajectory pairs of the same task)")
+    rft: BCConfig = Field(default_factory=lambda: BCConfig(epochs=1, grad_accum_steps=2),
+                          description="the rft baseline's training (data, model, prompt and output are set by "
+                          "the loop: the buffer's won episodes, starting from the iteration's policy)")
+    eto: PolicyStageConfig = Field(
+        default_factory=lambda: PolicyStageConfig(objective={"name": "dpo"}, optim={"lr": 5e-5}),
+        description="the eto baseline's DPO stage (buffer, model, reference and output are set by the loop)")
+    variants: dict[str, VariantSettings] = Field(
+        default_factory=dict, description="ablations at equal data: NAME -> overrides of the critic, label and "
+        "policy stages, run in iteration 1 on its buffer (e.g. plain_iql: {critic: {weighting: {temporal: "
+        "false, success: false}}})")
     tensorboard: bool = Field(True, description="TensorBoard scalars in RUNS_DIR/NAME/tensorboard")
     wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb package)")
     progress: bool = Field(True, description="progress bars")
+
+    @model_validator(mode="after")
+    def _variants_apply(self) -> "EvolveConfig":
+        # A bad override fails here, at start-up, not after BC and the first iteration.
+        for name, settings in self.variants.items():
+            for part in ("critic", "label", "policy"):
+                _override(getattr(self, part), getattr(settings, part), f"variants.{name}.{part}")
+        return self
 
 
 def stage_seed(seed: int, stage: str) -> int:
@@ -183,10 +245,12 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         return record
 
     def evaluate(prefix: str, policy_path: str) -> None:
+        """Evaluation stages ``<prefix>/eval_<split>`` of the policy at ``policy_path``."""
         for split in config.eval.splits:
             def fn(workdir: Path, split=split):
                 rc = RolloutConfig(env=config.env, split=split, limit=config.eval.limit,
-                                   task_stride=config.eval.task_stride, model=config.model.model_copy(
+                                   task_stride=config.eval.task_stride, task_types=config.task_types,
+                                   model=config.model.model_copy(
                                        update={"name_or_path": policy_path}),
                                    prompt=config.prompt, agent=config.eval.agent, source="eval")
                 metrics = run_eval(rc, workdir, progress=config.progress)
@@ -195,6 +259,34 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             record = stage(f"{prefix}/eval_{split}", {"policy": policy_path}, fn)
             results.setdefault(prefix, {})[split] = record.metrics["success_rate"]
 
+    def run_baselines(it: str, buffer_path: str, start: str) -> None:
+        """The configured baselines, trained from ``start`` on the buffer at ``buffer_path``, and evaluated."""
+        for name in config.baselines:
+            if name == "rft":
+                def rft_stage(workdir: Path):
+                    rft_config = config.rft.model_copy(update={
+                        "model": config.model.model_copy(update={"name_or_path": start}), "prompt": config.prompt,
+                        "output_dir": str(workdir), "seed": config.seed, "progress": config.progress,
+                        "resume": False, "data": config.rft.data.model_copy(update={
+                            "env": config.env, "train_path": str(root / buffer_path), "only_won": True,
+                            "task_types": None, "num_demonstrations": None})})
+                    result = run_bc(rft_config, log=log)
+                    return {"policy": "final"}, {"steps": result.steps, "train_sequences": result.train_sequences,
+                                                 "train_tokens": result.train_tokens}
+                record = stage(f"{it}/rft/policy", {"buffer": buffer_path, "start": start}, rft_stage)
+            else:  # eto
+                def eto_stage(workdir: Path):
+                    eto_config = config.eto.model_copy(update={
+                        "env": config.env, "buffer_path": str(root / buffer_path),
+                        "model": config.model.model_copy(update={"name_or_path": start}), "reference": bc_policy,
+                        "prompt": config.prompt, "output_dir": str(workdir), "seed": config.seed,
+                        "progress": config.progress, "resume": False})
+                    summary = run_policy_update(eto_config, log=log).summary()
+                    return {"policy": "final"}, {key: value for key, value in summary.items()
+                                                 if isinstance(value, (int, float))}
+                record = stage(f"{it}/eto/policy", {"buffer": buffer_path, "start": start}, eto_stage)
+            evaluate(f"{it}/{name}", str(root / record.outputs["policy"]))
+
     try:
         # -- behaviour cloning ------------------------------------------------------------------
         def bc_stage(workdir: Path):
@@ -202,7 +294,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 return {}, {"reused_checkpoint": 1}
             bc_config = config.bc.model_copy(update={
                 "model": config.model, "prompt": config.prompt, "output_dir": str(workdir),
-                "data": config.bc.data.model_copy(update={"env": config.env}), "seed": config.seed,
+                "data": config.bc.data.model_copy(update={"env": config.env, "task_types": config.task_types}),
+                "seed": config.seed,
                 "progress": config.progress, "resume": False})
             result = run_bc(bc_config, log=log)
             metrics = {"steps": result.steps, "train_tokens": result.train_tokens,
@@ -219,18 +312,35 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         # -- expert buffer (the same seeded subset in every iteration) ---------------------------
         expert_path = Path(config.buffer.expert_path).expanduser() if config.buffer.expert_path else \
             data_dir() / "experts" / config.env
+
+        def buffer_experts():
+            """The seeded expert subset of the buffer (the same in every iteration)."""
+            experts = read_episodes(expert_path)
+            if config.buffer.only_won_expert:
+                experts = [ep for ep in experts if ep.won]
+            if config.task_types is not None:
+                keep = set(filter_task_types(config.env, sorted({ep.task_id for ep in experts}), config.task_types,
+                                             f"task_types (experts {expert_path})"))
+                experts = [ep for ep in experts if ep.task_id in keep]
+            if config.buffer.num_expert is not None and config.buffer.num_expert < len(experts):
+                rng = random.Random(f"experts/{config.seed}")
+                experts = sorted(rng.sample(experts, config.buffer.num_expert), key=lambda ep: ep.episode_id)
+            return experts
         policy_path = bc_policy
         self_paths: list[str] = []
         for k in range(1, config.iterations + 1):
             it = f"iter_{k}"
 
             def rollout_stage(workdir: Path, policy_path=policy_path):
+                task_ids = None
+                if config.rollout.tasks == "buffer_experts":
+                    task_ids = sorted({ep.task_id for ep in buffer_experts()})
                 rc = RolloutConfig(env=config.env, split=config.rollout.split, limit=config.rollout.limit,
-                                   task_stride=config.rollout.task_stride,
+                                   task_stride=config.rollout.task_stride, task_types=config.task_types,
                                    episodes_per_task=config.rollout.episodes_per_task,
                                    model=config.model.model_copy(update={"name_or_path": policy_path}),
                                    prompt=config.prompt, agent=config.rollout.agent, source="self")
-                metrics = run_rollouts(rc, workdir, progress=config.progress)
+                metrics = run_rollouts(rc, workdir, progress=config.progress, task_ids=task_ids)
                 return {"trajectories": "."}, {k2: metrics[k2] for k2 in EVAL_KEYS if k2 in metrics}
 
             rollouts = stage(f"{it}/rollouts", {"policy": policy_path}, rollout_stage)
@@ -238,12 +348,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                           if config.buffer.self_data == "accumulate" else [rollouts.outputs["trajectories"]])
 
             def buffer_stage(workdir: Path, self_paths=tuple(self_paths)):
-                experts = read_episodes(expert_path)
-                if config.buffer.only_won_expert:
-                    experts = [ep for ep in experts if ep.won]
-                if config.buffer.num_expert is not None and config.buffer.num_expert < len(experts):
-                    rng = random.Random(f"experts/{config.seed}")
-                    experts = sorted(rng.sample(experts, config.buffer.num_expert), key=lambda ep: ep.episode_id)
+                experts = buffer_experts()
                 own = [ep for path in self_paths for ep in read_episodes(root / path)]
                 policy = load_policy(config.model.model_copy(update={"name_or_path": policy_path}), trainable=False)
                 builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
@@ -259,8 +364,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
             critic_init = config.critic.init or (bc_policy if config.critic_init == "bc" else None)
 
-            def critic_stage(workdir: Path, buffer_path=buffer.outputs["buffer"]):
-                critic_config = config.critic.model_copy(update={"init": critic_init, "seed": config.seed})
+            def critic_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_config=config.critic):
+                critic_config = critic_config.model_copy(update={"init": critic_init, "seed": config.seed})
                 summary = train_critic(read_episodes(root / buffer_path), critic_config, workdir, restart=True,
                                        progress=config.progress, log=log)
                 last = summary["history"][-1] if summary["history"] else {}
@@ -269,9 +374,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
             critic = stage(f"{it}/critic", {"buffer": buffer.outputs["buffer"]}, critic_stage)
 
-            def label_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_path=critic.outputs["critic"]):
-                model = load_critic(root / critic_path, device=config.label.device)
-                episodes, summary = label_episodes(read_episodes(root / buffer_path), model, config.label,
+            def label_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_path=critic.outputs["critic"],
+                            label_config=config.label):
+                model = load_critic(root / critic_path, device=label_config.device)
+                episodes, summary = label_episodes(read_episodes(root / buffer_path), model, label_config,
                                                    progress=config.progress)
                 write_episodes(workdir / "labelled.parquet", episodes, {"env": config.env, "iteration": k})
                 return {"labelled": "labelled.parquet"}, {key: value for key, value in summary.items()
@@ -280,8 +386,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             labelled = stage(f"{it}/label", {"buffer": buffer.outputs["buffer"], "critic": critic.outputs["critic"]},
                              label_stage)
 
-            def policy_stage(workdir: Path, labelled_path=labelled.outputs["labelled"], start=policy_path):
-                policy_config = config.policy.model_copy(update={
+            def policy_stage(workdir: Path, labelled_path=labelled.outputs["labelled"], start=policy_path,
+                             stage_config=config.policy):
+                policy_config = stage_config.model_copy(update={
                     "env": config.env, "buffer_path": str(root / labelled_path),
                     "model": config.model.model_copy(update={"name_or_path": start}),
                     "reference": bc_policy, "prompt": config.prompt, "output_dir": str(workdir),
@@ -293,6 +400,28 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
             updated = stage(f"{it}/policy", {"labelled": labelled.outputs["labelled"], "start": policy_path},
                             policy_stage)
+            if k == 1:
+                run_baselines(it, buffer.outputs["buffer"], policy_path)
+                for variant, settings in config.variants.items():
+                    prefix = f"{it}/{variant}"
+                    v_critic = critic
+                    if settings.critic:
+                        v_config = _override(config.critic, settings.critic, f"variants.{variant}.critic")
+                        v_critic = stage(f"{prefix}/critic", {"buffer": buffer.outputs["buffer"]},
+                                         lambda workdir, c=v_config: critic_stage(workdir, critic_config=c))
+                    v_labelled = labelled
+                    if settings.critic or settings.label:
+                        l_config = _override(config.label, settings.label, f"variants.{variant}.label")
+                        v_labelled = stage(f"{prefix}/label", {"buffer": buffer.outputs["buffer"],
+                                                               "critic": v_critic.outputs["critic"]},
+                                           lambda workdir, c=l_config, cp=v_critic.outputs["critic"]:
+                                           label_stage(workdir, critic_path=cp, label_config=c))
+                    p_config = _override(config.policy, settings.policy, f"variants.{variant}.policy")
+                    v_policy = stage(f"{prefix}/policy", {"labelled": v_labelled.outputs["labelled"],
+                                                          "start": policy_path},
+                                     lambda workdir, c=p_config, lp=v_labelled.outputs["labelled"]:
+                                     policy_stage(workdir, labelled_path=lp, stage_config=c))
+                    evaluate(prefix, str(root / v_policy.outputs["policy"]))
             policy_path = str(root / updated.outputs["policy"])
             evaluate(it, policy_path)
     finally:
@@ -303,6 +432,17 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     return table
 
 
+def method_label(prefix: str) -> str:
+    """The table name of the policy evaluated by stages ``<prefix>/eval_<split>``."""
+    if prefix == "bc":
+        return "BC"
+    head, _, tail = prefix.partition("/")
+    k = head.split("_")[1]
+    if not tail:
+        return f"Q-Evolve iter {k}"
+    return {"rft": f"RFT (iter {k} buffer)", "eto": f"ETO-DPO (iter {k} buffer)"}.get(tail, f"{tail} (iter {k})")
+
+
 def success_table(stages: list[dict[str, Any]], splits: list[str]) -> list[dict[str, Any]]:
     """Rows ``{"policy": "BC" | "Q-Evolve iter k", <split>: success rate}`` from the manifest."""
     rows: dict[str, dict[str, Any]] = {}
@@ -311,6 +451,6 @@ def success_table(stages: list[dict[str, Any]], splits: list[str]) -> list[dict[
         prefix, _, leaf = name.rpartition("/")
         if not leaf.startswith("eval_"):
             continue
-        label = "BC" if prefix == "bc" else f"Q-Evolve iter {prefix.split('_')[1]}"
+        label = method_label(prefix)
         rows.setdefault(label, {"policy": label})[leaf[len("eval_"):]] = stage["metrics"].get("success_rate")
     return list(rows.values())

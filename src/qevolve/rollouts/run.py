@@ -47,12 +47,23 @@ def select_tasks(tasks: list[str], stride: int, limit: int | None) -> list[str]:
     return picked[:limit] if limit is not None else picked
 
 
-def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
-    """Act on the configured split; write shards into ``output`` (resumable). Returns metrics."""
+def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None,
+                 task_ids: list[str] | None = None) -> dict[str, Any]:
+    """Act on the configured split; write shards into ``output`` (resumable). Returns metrics.
+
+    ``task_ids`` replaces the split's task selection (task_types, task_stride, limit) by these tasks,
+    which must belong to the split."""
     output.mkdir(parents=True, exist_ok=True)
     done_ids = {ep.episode_id for path in shard_paths(output) for ep in read_episodes(path)}
-    tasks = filter_task_types(config.env, list_tasks(config.env, config.split), config.task_types)
-    tasks = select_tasks(tasks, config.task_stride, config.limit)
+    split_tasks = list_tasks(config.env, config.split)
+    if task_ids is not None:
+        missing = sorted(set(task_ids) - set(split_tasks))
+        if missing:
+            raise ValueError(f"task {missing[0]!r} is not in the {config.env} split {config.split!r}")
+        tasks = list(task_ids)
+    else:
+        tasks = filter_task_types(config.env, split_tasks, config.task_types, "task_types")
+        tasks = select_tasks(tasks, config.task_stride, config.limit)
     jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
             if job[0] not in done_ids]
     if policy is None:
