@@ -156,6 +156,35 @@ def report(run: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
     typer.echo(f"wrote {build_report(run, max_episodes=max_episodes)}")
 
 
+@app.command("compare")
+def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME); several = seeds, pooled too"),
+            output: Optional[Path] = typer.Option(None, help="folder for results.md and results.json "
+                                                  "(default: the run directory when one is given)"),
+            baseline: str = typer.Option("bc", help="stage prefix every method is compared with (bc = SFT)"),
+            resamples: int = typer.Option(10_000, min=1, help="paired-bootstrap resamples"),
+            seed: int = typer.Option(0, help="seed of the bootstrap")) -> None:
+    """Method x split success and reward, each with a paired-bootstrap 95% CI of its difference to SFT."""
+    from qevolve.evaluation.compare import compare_runs, render_markdown
+    from qevolve.evolve.run_dir import write_json_atomic
+
+    if output is None:
+        if len(runs) != 1:
+            fail("--output: required when comparing several run directories")
+        output = runs[0]
+    try:
+        result = compare_runs(runs, baseline, resamples, seed)
+    except (ValueError, StoreError) as error:
+        fail(str(error))
+    text = render_markdown(result)
+    output.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(output / "results.json", result)
+    staging = output / ".results.md.tmp"
+    staging.write_text(text)
+    staging.replace(output / "results.md")
+    typer.echo(text)
+    typer.echo(f"wrote {output / 'results.md'} and {output / 'results.json'}")
+
+
 # ------------------------------------------------------------------------------- critic / label
 
 

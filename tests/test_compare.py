@@ -1,0 +1,83 @@
+"""``qevolve compare``: the paired bootstrap, and tables from run directories."""
+
+import json
+
+import numpy as np
+import pytest
+
+from qevolve.buffer.store import Episode, Turn, write_shard
+from qevolve.evaluation.compare import compare_runs, paired_bootstrap, render_markdown
+
+
+def test_paired_bootstrap_matches_a_plain_loop_and_is_seeded():
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 2, 40).astype(float), rng.integers(0, 2, 40).astype(float)
+    mean, low, high = paired_bootstrap(a, b, resamples=2000, seed=7)
+    assert mean == pytest.approx(float((a - b).mean()))
+    # the same resampling written as a plain loop
+    draw = np.random.default_rng(7).integers(0, 40, size=(2000, 40))
+    means = [float(np.mean([a[i] - b[i] for i in row])) for row in draw]
+    assert (low, high) == pytest.approx(tuple(np.percentile(means, [2.5, 97.5])))
+    assert paired_bootstrap(a, b, resamples=2000, seed=7) == (mean, low, high)
+    assert low < mean < high
+
+
+def test_pairing_removes_task_difficulty():
+    # the method wins exactly the baseline's wins plus 5 more: every paired resample shows a gain
+    base = np.array([1.0] * 10 + [0.0] * 30)
+    method = base.copy()
+    method[10:15] = 1.0
+    mean, low, high = paired_bootstrap(method, base, resamples=5000, seed=0)
+    assert mean == pytest.approx(5 / 40) and low > 0
+    assert paired_bootstrap(base, base, resamples=100) == (0.0, 0.0, 0.0)
+
+
+def _fake_run(root, name, outcomes_by_stage):
+    run = root / name
+    stages = []
+    for stage, outcomes in outcomes_by_stage.items():
+        episodes = []
+        for task, (won, score) in outcomes.items():
+            ep = Episode(f"alfworld/seen/{task}#0", task, "alfworld", "seen", "eval", won=won, score=score)
+            ep.turns.append(Turn(observation="o", agent_text="Action: look", action="look", format_valid=True,
+                                 action_valid=(task != "t0")))
+            episodes.append(ep)
+        write_shard(run / stage / "trajectories", 0, episodes)
+        stages.append({"name": stage, "outputs": {"trajectories": "trajectories"},
+                       "metrics": {"success_rate": sum(w for w, _ in outcomes.values()) / len(outcomes)}})
+    stages.append({"name": "iter_1/critic", "outputs": {}, "metrics": {"explained_variance": 0.25}})
+    (run / "manifest.json").write_text(json.dumps({"stages": stages}))
+    return run
+
+
+def test_compare_pairs_by_episode_and_pools_runs(tmp_path):
+    tasks = [f"t{i}" for i in range(6)]
+    bc = {t: (i < 2, 1.0 if i < 2 else 0.0) for i, t in enumerate(tasks)}
+    qe = {t: (i < 4, 1.0 if i < 4 else 0.0) for i, t in enumerate(tasks)}
+    run_a = _fake_run(tmp_path, "seed0", {"bc/eval_seen": bc, "iter_1/eval_seen": qe})
+    run_b = _fake_run(tmp_path, "seed1", {"bc/eval_seen": bc, "iter_1/eval_seen": bc})
+    result = compare_runs([run_a, run_b], resamples=500, seed=0)
+    rows = {(r["method"], r["run"]): r for r in result["rows"]}
+    assert rows[("SFT (BC)", "seed0")]["success_rate"] == pytest.approx(2 / 6)
+    assert "success_diff" not in rows[("SFT (BC)", "seed0")]
+    qe_a = rows[("Q-Evolve iter 1", "seed0")]
+    assert qe_a["success_diff"] == pytest.approx(2 / 6) and qe_a["paired_episodes"] == 6
+    assert rows[("Q-Evolve iter 1", "seed1")]["success_diff"] == 0.0
+    pooled = rows[("Q-Evolve iter 1", "all runs")]
+    assert pooled["paired_episodes"] == 12 and pooled["success_diff"] == pytest.approx(2 / 12)
+    assert result["diagnostics"]["seed0"] == {"iter_1/critic:explained_variance": 0.25}
+    text = render_markdown(result)
+    assert "| seen | Q-Evolve iter 1 | seed0 | 6 | 0.667 |" in text and "explained_variance" in text
+
+
+def test_compare_cli_writes_results_and_refuses_a_non_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    run = _fake_run(tmp_path, "one", {"bc/eval_seen": {"t0": (True, 1.0)}, "iter_1/eval_seen": {"t0": (False, 0.0)}})
+    result = CliRunner().invoke(app, ["compare", str(run), "--resamples", "100"])
+    assert result.exit_code == 0, result.output
+    assert (run / "results.md").is_file() and json.loads((run / "results.json").read_text())["rows"]
+    bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nowhere")])
+    assert bad.exit_code == 2 and "not a run directory (no manifest.json)" in bad.output
