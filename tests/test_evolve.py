@@ -122,12 +122,16 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     root = tmp_path / "runs" / "baselines"
     names = [s["name"] for s in json.loads((root / "manifest.json").read_text())["stages"]]
     assert names == ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
-                     "iter_1/policy", "iter_1/rft/policy", "iter_1/rft/eval_seen", "iter_1/eto/policy",
-                     "iter_1/eto/eval_seen", "iter_1/q_minus_v/label", "iter_1/q_minus_v/policy",
-                     "iter_1/q_minus_v/eval_seen", "iter_1/awr/policy", "iter_1/awr/eval_seen",
-                     "iter_1/eval_seen"]
-    assert [row["policy"] for row in table] == ["BC", "RFT (iter 1 buffer)", "ETO-DPO (iter 1 buffer)",
-                                                "q_minus_v (iter 1)", "awr (iter 1)", "Q-Evolve iter 1"]
+                     "iter_1/policy", "iter_1/eval_seen", "iter_1/rft/policy", "iter_1/rft/eval_seen",
+                     "iter_1/eto/policy", "iter_1/eto/eval_seen", "iter_1/q_minus_v/label",
+                     "iter_1/q_minus_v/policy", "iter_1/q_minus_v/eval_seen", "iter_1/awr/policy",
+                     "iter_1/awr/eval_seen"]
+    assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "RFT (iter 1 buffer)",
+                                                "ETO-DPO (iter 1 buffer)", "q_minus_v (iter 1)", "awr (iter 1)"]
+    # every baseline and variant starts from the iteration's starting policy (here the BC policy)
+    stages = {s["name"]: s for s in json.loads((root / "manifest.json").read_text())["stages"]}
+    assert {stages[n]["inputs"]["start"] for n in ("iter_1/rft/policy", "iter_1/eto/policy",
+                                                   "iter_1/awr/policy")} == {"bc/final"}
     # the self rollouts ran on exactly the buffer's expert tasks, so every failure has a partner
     buffer = read_episodes(root / "iter_1/buffer/buffer.parquet")
     expert_tasks = {ep.task_id for ep in buffer if ep.source == "expert"}

@@ -95,13 +95,25 @@ def data_expert(
     workers: int = typer.Option(2, help="environment worker processes"),
     limit: Optional[int] = typer.Option(None, help="only the first N demonstrations (quick runs)"),
     shard_size: int = typer.Option(200, help="episodes per Parquet shard (the unit of resume)"),
+    task_types: Optional[str] = typer.Option(None, help="only these task types, comma-separated (e.g. "
+                                             "pick_and_place_simple,look_at_obj_in_light); --limit counts "
+                                             "after this filter"),
 ) -> None:
     """Replay expert demonstrations in the real environment and keep the successful ones (resumable)."""
-    from qevolve.environments.experts import expert_retries, expert_task_type, generate_experts, get_expert_source
+    from qevolve.environments.experts import (expert_retries, expert_task_type, filter_task_types,
+                                              generate_experts, get_expert_source)
     from qevolve.paths import data_dir
 
     source_fn = get_expert_source(env)
-    jobs, dropped = source_fn(split=split, limit=limit)
+    if task_types:
+        jobs, dropped = source_fn(split=split, limit=None)
+        wanted = [t.strip() for t in task_types.split(",") if t.strip()]
+        keep = set(filter_task_types(env, [job.task_id for job in jobs] + [d[0] for d in dropped], wanted,
+                                     "--task-types"))
+        jobs = [job for job in jobs if job.task_id in keep][:limit]
+        dropped = [d for d in dropped if d[0] in keep]
+    else:
+        jobs, dropped = source_fn(split=split, limit=limit)
     output = output or data_dir() / "experts" / env
     typer.echo(f"{env}: {len(jobs)} demonstrations to replay ({len(dropped)} unusable) -> {output}")
     report = generate_experts(env, output, jobs, dropped, {"split": split}, num_workers=workers,

@@ -400,8 +400,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
             updated = stage(f"{it}/policy", {"labelled": labelled.outputs["labelled"], "start": policy_path},
                             policy_stage)
-            if k == 1:
-                run_baselines(it, buffer.outputs["buffer"], policy_path)
+            start_policy, policy_path = policy_path, str(root / updated.outputs["policy"])
+            evaluate(it, policy_path)
+            if k == 1:  # after Q-Evolve's own evaluation, so a partial run has the main row first
+                run_baselines(it, buffer.outputs["buffer"], start_policy)
                 for variant, settings in config.variants.items():
                     prefix = f"{it}/{variant}"
                     v_critic = critic
@@ -418,12 +420,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                            label_stage(workdir, critic_path=cp, label_config=c))
                     p_config = _override(config.policy, settings.policy, f"variants.{variant}.policy")
                     v_policy = stage(f"{prefix}/policy", {"labelled": v_labelled.outputs["labelled"],
-                                                          "start": policy_path},
+                                                          "start": start_policy},
                                      lambda workdir, c=p_config, lp=v_labelled.outputs["labelled"]:
-                                     policy_stage(workdir, labelled_path=lp, stage_config=c))
+                                     policy_stage(workdir, labelled_path=lp, start=start_policy, stage_config=c))
                     evaluate(prefix, str(root / v_policy.outputs["policy"]))
-            policy_path = str(root / updated.outputs["policy"])
-            evaluate(it, policy_path)
     finally:
         loggers.close()
 
