@@ -105,7 +105,7 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     """One command gives RFT, ETO-DPO and an ablation variant beside Q-Evolve, all from iteration 1's buffer."""
     config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="baselines")
     config = config.model_copy(update={
-        "iterations": 1, "baselines": ["rft", "eto"],
+        "iterations": 1, "baselines": ["rft", "eto", "rerank"],
         "rollout": config.rollout.model_copy(update={"tasks": "buffer_experts"}),
         "buffer": config.buffer.model_copy(update={"num_expert": 2}),
         "eval": config.eval.model_copy(update={"splits": ["seen"]}),
@@ -123,11 +123,12 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     names = [s["name"] for s in json.loads((root / "manifest.json").read_text())["stages"]]
     assert names == ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
                      "iter_1/policy", "iter_1/eval_seen", "iter_1/rft/policy", "iter_1/rft/eval_seen",
-                     "iter_1/eto/policy", "iter_1/eto/eval_seen", "iter_1/q_minus_v/label",
+                     "iter_1/eto/policy", "iter_1/eto/eval_seen", "iter_1/rerank/eval_seen", "iter_1/q_minus_v/label",
                      "iter_1/q_minus_v/policy", "iter_1/q_minus_v/eval_seen", "iter_1/awr/policy",
                      "iter_1/awr/eval_seen"]
     assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "RFT (iter 1 buffer)",
-                                                "ETO-DPO (iter 1 buffer)", "q_minus_v (iter 1)", "awr (iter 1)"]
+                                                "ETO-DPO (iter 1 buffer)", "critic re-rank (iter 1 critic)",
+                                                "q_minus_v (iter 1)", "awr (iter 1)"]
     # every baseline and variant starts from the iteration's starting policy (here the BC policy)
     stages = {s["name"]: s for s in json.loads((root / "manifest.json").read_text())["stages"]}
     assert {stages[n]["inputs"]["start"] for n in ("iter_1/rft/policy", "iter_1/eto/policy",
@@ -136,6 +137,10 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     buffer = read_episodes(root / "iter_1/buffer/buffer.parquet")
     expert_tasks = {ep.task_id for ep in buffer if ep.source == "expert"}
     assert {ep.task_id for ep in buffer if ep.source == "self"} == expert_tasks and len(expert_tasks) == 2
+    rerank = stages["iter_1/rerank/eval_seen"]
+    assert rerank["inputs"] == {"policy": "bc/final", "critic": "iter_1/critic"}
+    protocol = json.loads((root / "iter_1/rerank/eval_seen/metrics.json").read_text())["protocol"]
+    assert protocol["rerank"]["candidates"] == 4 and protocol["decoding"].startswith("T=1.0")
     labelled = read_episodes(root / "iter_1/q_minus_v/label/labelled.parquet")
     main = read_episodes(root / "iter_1/label/labelled.parquet")
     assert [t.advantage for ep in labelled for t in ep.turns] != [t.advantage for ep in main for t in ep.turns]

@@ -12,8 +12,9 @@
 
 Baselines and ablations at equal data (iteration 1 only, from the same BC policy and the same buffer):
 
-    baselines: rft   BC continued on the buffer's won episodes     iter_1/rft/policy, iter_1/rft/eval_<split>
-               eto   DPO on (better, worse) pairs of one task      iter_1/eto/policy, iter_1/eto/eval_<split>
+    baselines: rft     BC continued on the buffer's won episodes   iter_1/rft/policy, iter_1/rft/eval_<split>
+               eto     DPO on (better, worse) pairs of one task    iter_1/eto/policy, iter_1/eto/eval_<split>
+               rerank  the critic picks among sampled turns        iter_1/rerank/eval_<split>
     variants:  NAME  the critic/label/policy stages again with     iter_1/NAME/{critic,label,policy,eval_<split>}
                      overrides (e.g. plain IQL, Q - V, AWR)
 
@@ -79,6 +80,16 @@ class BufferSettings(StageConfig):
     only_won_expert: bool = Field(True, description="keep only successful expert episodes")
 
 
+class RerankSettings(StageConfig):
+    """The rerank baseline: the iteration's starting policy acts, the iteration's critic picks among samples."""
+
+    num_candidates: int = Field(4, ge=2, description="candidate turns sampled per state")
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the candidates")
+    q_source: Literal["online", "target"] = Field("online", description="Q heads that score the candidates")
+    limit: int | None = Field(None, ge=1, description="at most this many tasks per split (null: eval.limit); "
+                              "re-ranking costs a critic pass per turn")
+
+
 class VariantSettings(StageConfig):
     """An ablation at equal data: iteration 1's critic, label and policy stages again with overrides."""
 
@@ -131,10 +142,11 @@ class EvolveConfig(StageConfig):
     label: LabelConfig = Field(default_factory=LabelConfig, description="process rewards")
     policy: PolicyStageConfig = Field(default_factory=PolicyStageConfig, description="BPPO (its model, reference, "
                                       "buffer and output_dir are set by the loop)")
-    baselines: list[Literal["rft", "eto"]] = Field(
-        default_factory=list, description="baselines trained in iteration 1 from the same policy on the same "
-        "buffer: rft (rejection-sampling fine-tuning: BC on the buffer's won episodes, expert and self), eto "
-        "(DPO on trajectory pairs of the same task)")
+    baselines: list[Literal["rft", "eto", "rerank"]] = Field(
+        default_factory=list, description="baselines from iteration 1's starting policy and buffer: rft "
+        "(rejection-sampling fine-tuning: BC on the buffer's won episodes, expert and self), eto (DPO on "
+        "trajectory pairs of the same task), rerank (no policy update: the critic picks among sampled turns)")
+    rerank: RerankSettings = Field(default_factory=RerankSettings, description="the rerank baseline")
     rft: BCConfig = Field(default_factory=lambda: BCConfig(epochs=1, grad_accum_steps=2),
                           description="the rft baseline's training (data, model, prompt and output are set by "
                           "the loop: the buffer's won episodes, starting from the iteration's policy)")
@@ -244,24 +256,35 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         loggers.log(name, _iteration_of(name), record.metrics)
         return record
 
-    def evaluate(prefix: str, policy_path: str) -> None:
-        """Evaluation stages ``<prefix>/eval_<split>`` of the policy at ``policy_path``."""
+    def evaluate(prefix: str, policy_path: str, critic_path: str | None = None) -> None:
+        """Evaluation stages ``<prefix>/eval_<split>`` of the policy at ``policy_path`` (re-ranked by the
+        critic at ``critic_path`` when given)."""
+        agent, limit, rerank = config.eval.agent, config.eval.limit, {}
+        if critic_path is not None:
+            agent = agent.model_copy(update={"temperature": config.rerank.temperature})
+            limit = config.rerank.limit or limit
+            rerank = {"rerank_critic": str(root / critic_path), "rerank_candidates": config.rerank.num_candidates,
+                      "rerank_q_source": config.rerank.q_source}
         for split in config.eval.splits:
             def fn(workdir: Path, split=split):
-                rc = RolloutConfig(env=config.env, split=split, limit=config.eval.limit,
+                rc = RolloutConfig(env=config.env, split=split, limit=limit,
                                    task_stride=config.eval.task_stride, task_types=config.task_types,
                                    model=config.model.model_copy(
                                        update={"name_or_path": policy_path}),
-                                   prompt=config.prompt, agent=config.eval.agent, source="eval")
+                                   prompt=config.prompt, agent=agent, source="eval", **rerank)
                 metrics = run_eval(rc, workdir, progress=config.progress)
                 return ({"trajectories": "trajectories", "metrics": "metrics.json"},
                         {k: metrics[k] for k in EVAL_KEYS if k in metrics})
-            record = stage(f"{prefix}/eval_{split}", {"policy": policy_path}, fn)
+            inputs = {"policy": policy_path, **({"critic": critic_path} if critic_path else {})}
+            record = stage(f"{prefix}/eval_{split}", inputs, fn)
             results.setdefault(prefix, {})[split] = record.metrics["success_rate"]
 
-    def run_baselines(it: str, buffer_path: str, start: str) -> None:
+    def run_baselines(it: str, buffer_path: str, start: str, critic_path: str) -> None:
         """The configured baselines, trained from ``start`` on the buffer at ``buffer_path``, and evaluated."""
         for name in config.baselines:
+            if name == "rerank":
+                evaluate(f"{it}/rerank", start, critic_path)
+                continue
             if name == "rft":
                 def rft_stage(workdir: Path):
                     rft_config = config.rft.model_copy(update={
@@ -403,7 +426,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             start_policy, policy_path = policy_path, str(root / updated.outputs["policy"])
             evaluate(it, policy_path)
             if k == 1:  # after Q-Evolve's own evaluation, so a partial run has the main row first
-                run_baselines(it, buffer.outputs["buffer"], start_policy)
+                run_baselines(it, buffer.outputs["buffer"], start_policy, critic.outputs["critic"])
                 for variant, settings in config.variants.items():
                     prefix = f"{it}/{variant}"
                     v_critic = critic
@@ -440,7 +463,8 @@ def method_label(prefix: str) -> str:
     k = head.split("_")[1]
     if not tail:
         return f"Q-Evolve iter {k}"
-    return {"rft": f"RFT (iter {k} buffer)", "eto": f"ETO-DPO (iter {k} buffer)"}.get(tail, f"{tail} (iter {k})")
+    return {"rft": f"RFT (iter {k} buffer)", "eto": f"ETO-DPO (iter {k} buffer)",
+            "rerank": f"critic re-rank (iter {k} critic)"}.get(tail, f"{tail} (iter {k})")
 
 
 def success_table(stages: list[dict[str, Any]], splits: list[str]) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -40,6 +40,12 @@ class RolloutConfig(StageConfig):
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (same as BC)")
     agent: AgentConfig = Field(default_factory=AgentConfig, description="batching, decoding, format errors")
     source: str = Field("self", description="label of the trajectories in the store")
+    rerank_critic: str | None = Field(None, description="test-time critic re-ranking: a trained critic folder; "
+                                      "each turn samples rerank_candidates turns (agent.temperature > 0) and acts "
+                                      "with the highest Q (null: act with the policy alone)")
+    rerank_candidates: int = Field(4, ge=1, description="candidate turns sampled per state for re-ranking")
+    rerank_q_source: Literal["online", "target"] = Field("online", description="re-ranking Q: the online heads "
+                                                         "(min of the twins) or the Polyak target heads")
 
 
 def select_tasks(tasks: list[str], stride: int, limit: int | None) -> list[str]:
@@ -79,6 +85,14 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         stop_ids.append(policy.tokenizer.eos_token_id)
     backend = HFGenerationBackend(policy.model, stop_ids, policy.tokenizer.pad_token_id or 0,
                                   reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast)
+    if config.rerank_critic:
+        from qevolve.critic.train import load_critic
+        from qevolve.rollouts.rerank import CriticRerankBackend
+
+        if config.agent.temperature <= 0 and config.rerank_candidates > 1:
+            raise ValueError("rerank_critic: critic re-ranking samples its candidates; set agent.temperature > 0")
+        backend = CriticRerankBackend(backend, load_critic(config.rerank_critic, device=str(policy.device)),
+                                      config.rerank_candidates, config.rerank_q_source)
     shard_index = len(shard_paths(output))
     pending: list[Episode] = []
 
@@ -86,7 +100,10 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         nonlocal shard_index
         if pending:
             write_shard(output, shard_index, pending, {"env": config.env, "split": config.split,
-                                                       "checkpoint": config.model.name_or_path})
+                                                       "checkpoint": config.model.name_or_path,
+                           "rerank": None if not config.rerank_critic else {
+                               "critic": config.rerank_critic, "candidates": config.rerank_candidates,
+                               "q_source": config.rerank_q_source}})
             shard_index += 1
             pending.clear()
 
@@ -119,7 +136,10 @@ def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=
                            "task_stride": config.task_stride, "max_turns": config.agent.max_turns,
                            "decoding": "greedy" if config.agent.temperature <= 0 else
                            f"T={config.agent.temperature}, top_p={config.agent.top_p}",
-                           "checkpoint": config.model.name_or_path}
+                           "checkpoint": config.model.name_or_path,
+                           "rerank": None if not config.rerank_critic else {
+                               "critic": config.rerank_critic, "candidates": config.rerank_candidates,
+                               "q_source": config.rerank_q_source}}
     metrics["versions"] = package_versions()
     metrics["date"] = time.strftime("%Y-%m-%d")
     write_json_atomic(output / "metrics.json", metrics)
