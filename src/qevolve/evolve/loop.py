@@ -88,6 +88,8 @@ class RerankSettings(StageConfig):
     q_source: Literal["online", "target"] = Field("online", description="Q heads that score the candidates")
     limit: int | None = Field(None, ge=1, description="at most this many tasks per split (null: eval.limit); "
                               "re-ranking costs a critic pass per turn")
+    task_stride: int | None = Field(None, ge=1, description="every k-th task of each split (null: "
+                                    "eval.task_stride); spreads a smaller evaluation over the task types")
 
 
 class VariantSettings(StageConfig):
@@ -259,16 +261,17 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     def evaluate(prefix: str, policy_path: str, critic_path: str | None = None) -> None:
         """Evaluation stages ``<prefix>/eval_<split>`` of the policy at ``policy_path`` (re-ranked by the
         critic at ``critic_path`` when given)."""
-        agent, limit, rerank = config.eval.agent, config.eval.limit, {}
+        agent, limit, stride, rerank = config.eval.agent, config.eval.limit, config.eval.task_stride, {}
         if critic_path is not None:
             agent = agent.model_copy(update={"temperature": config.rerank.temperature})
             limit = config.rerank.limit or limit
+            stride = config.rerank.task_stride or stride
             rerank = {"rerank_critic": str(root / critic_path), "rerank_candidates": config.rerank.num_candidates,
                       "rerank_q_source": config.rerank.q_source}
         for split in config.eval.splits:
             def fn(workdir: Path, split=split):
                 rc = RolloutConfig(env=config.env, split=split, limit=limit,
-                                   task_stride=config.eval.task_stride, task_types=config.task_types,
+                                   task_stride=stride, task_types=config.task_types,
                                    model=config.model.model_copy(
                                        update={"name_or_path": policy_path}),
                                    prompt=config.prompt, agent=agent, source="eval", **rerank)
