@@ -21,7 +21,7 @@ decoding loop:
 * **Key/value storage** (``kv_cache``). ``growing`` (the default) keeps each layer's keys and values
   in one preallocated buffer per batch, ``[rows, kv heads, capacity, head dim]``, written in place:
   a generate call reserves room for its whole turn (cached length + new chunk + ``max_new_tokens``)
-  up front, and capacity grows geometrically (x1.5), so a turn allocates at most once instead of
+  up front, and capacity grows geometrically (x1.25), so a turn allocates at most once instead of
   once per generated token. When fewer than half of the cached slots hold real tokens (rows that
   stopped early, truncated histories, left padding), the rows are compacted to their real tokens.
   ``dynamic`` is transformers' ``DynamicCache``, which concatenates (reallocates) every layer's
@@ -196,7 +196,7 @@ def _growing_cache_class():
     class GrowingCache(Cache):
         """A cache of :class:`GrowingLayer`; ``reserve`` sizes every layer's buffer for the coming tokens."""
 
-        growth = 1.5  # capacity grows to at least this multiple of the old one
+        growth = 1.25  # capacity grows to at least this multiple of the old one
         block = 64  # capacities are multiples of this many slots
 
         def __init__(self):
