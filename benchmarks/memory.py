@@ -169,6 +169,7 @@ def main() -> None:
     if args.child:
         run_child(args)
         return
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the qevolve CLI does; the children inherit it
 
     import torch
     import transformers
