@@ -91,3 +91,38 @@ def test_sampling_is_seeded(tiny_model):
     assert other != first
     with pytest.raises(ValueError, match="at least one token"):
         backend.generate([GenerationRequest("c", [])], params)
+
+
+def test_growing_cache_matches_dynamic_cache(tiny_model):
+    """The preallocated cache (default) gives the tokens and log-probs of transformers' DynamicCache."""
+    stops = frequent_tokens(tiny_model)
+    growing = HFGenerationBackend(tiny_model, stops, kv_cache="growing")
+    dynamic = HFGenerationBackend(tiny_model, stops, kv_cache="dynamic")
+    a, _ = play(growing, batched=True, turns=6, truncate=True)
+    b, _ = play(dynamic, batched=True, turns=6, truncate=True)
+    for k in a:
+        for (_, ra), (_, rb) in zip(a[k], b[k]):
+            assert ra.token_ids == rb.token_ids
+            assert ra.logprobs == pytest.approx(rb.logprobs, abs=1e-4)
+    # it writes in place: far fewer buffers than tokens (one reservation per turn at most)
+    layer = growing._cache.layers[0]
+    assert layer.key_buffer.shape[2] >= layer.length == growing._mask.shape[1]
+    with pytest.raises(ValueError, match="kv_cache 'paged'"):
+        HFGenerationBackend(tiny_model, stops, kv_cache="paged")
+
+
+def test_growing_cache_compacts_padding_and_keeps_results(tiny_model):
+    """Rows that stop early leave padding slots; compaction drops them and changes no token."""
+    stops = frequent_tokens(tiny_model)
+    compacting = HFGenerationBackend(tiny_model, stops)
+    compacting.compact_below = 0.99  # compact at almost every turn
+    plain = HFGenerationBackend(tiny_model, stops, kv_cache="dynamic")
+    a, _ = play(compacting, batched=True, turns=6, truncate=True)
+    b, _ = play(plain, batched=True, turns=6, truncate=True)
+    assert compacting.stats.compactions > 0
+    for k in a:
+        for (_, ra), (_, rb) in zip(a[k], b[k]):
+            assert ra.token_ids == rb.token_ids
+            assert ra.logprobs == pytest.approx(rb.logprobs, abs=1e-4)
+    # after compaction the longest row has no padding: the cache is as long as its real tokens
+    assert compacting._mask.shape[1] < plain._mask.shape[1]

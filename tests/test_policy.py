@@ -189,3 +189,42 @@ def unwrap(policy):
     from qevolve.policy.model import unwrap_model
 
     return unwrap_model(policy.model)
+
+
+def test_acting_precision_picks_bf16_weights_where_training_autocasts(monkeypatch):
+    import qevolve.policy.model as model_module
+
+    assert ModelConfig(precision="bf16-autocast", device="cpu").for_acting().precision == "bf16"
+    assert ModelConfig(precision="fp32", device="cpu").for_acting().precision == "fp32"
+    assert ModelConfig(precision="bf16-autocast", device="cpu", acting_precision="same").for_acting().precision \
+        == "bf16-autocast"
+    assert ModelConfig(precision="bf16", device="cpu", acting_precision="fp32").for_acting().precision == "fp32"
+    monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: True)
+    assert ModelConfig(device="cpu").for_acting().precision == "bf16"
+    monkeypatch.setattr(model_module, "cpu_has_fast_bf16", lambda: False)
+    assert ModelConfig(device="cpu").for_acting().precision == "auto"  # resolves to fp32 when loaded
+
+
+def test_bf16_weights_generate_like_bf16_autocast(tiny_model_dir):
+    """Greedy turns with bf16 weights (acting default where training autocasts) match bf16 autocast:
+    the same tokens, and log-probs within 0.05 nats (bfloat16 rounding of norms and residuals)."""
+    import random
+
+    from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
+
+    outputs = {}
+    for acting in ("same", "auto"):
+        config = ModelConfig(name_or_path=str(tiny_model_dir), precision="bf16-autocast", device="cpu",
+                             acting_precision=acting)
+        policy = load_policy(config.for_acting(), trainable=False)
+        expected = "bf16-autocast" if acting == "same" else "bf16"
+        assert policy.precision == expected
+        assert next(policy.model.parameters()).dtype == (torch.float32 if acting == "same" else torch.bfloat16)
+        backend = HFGenerationBackend(policy.model, [policy.tokenizer.eos_token_id], 0,
+                                      autocast_dtype=torch.bfloat16 if expected == "bf16-autocast" else None)
+        rng = random.Random(0)
+        requests = [GenerationRequest(k, [rng.randint(3, 380) for _ in range(rng.randint(5, 30))]) for k in range(6)]
+        outputs[acting] = backend.generate(requests, SamplingParams(max_new_tokens=12))
+    for autocast, weights in zip(outputs["same"], outputs["auto"]):
+        assert weights.token_ids == autocast.token_ids
+        assert weights.logprobs == pytest.approx(autocast.logprobs, abs=0.05)

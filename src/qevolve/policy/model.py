@@ -15,6 +15,14 @@ Precision (``precision``):
 * ``auto`` (default): ``bf16-autocast`` where the hardware multiplies bfloat16 fast (CUDA with bf16
   support; a CPU with AVX-512 BF16 or AMX), else ``fp32``. On this project's CPU bf16 matrix
   multiplies run about 2.7x faster than fp32 (benchmarks/train_throughput.py measures it).
+
+Acting (``acting_precision``, used by ``qevolve rollout``/``eval`` and the loop's rollouts and
+evaluations through :meth:`ModelConfig.for_acting`): ``auto`` (default) loads bfloat16 weights where
+``precision`` resolves to ``bf16-autocast`` (the matrix multiplies are bfloat16 either way; without
+autocast's per-call weight casts and float32 norms generation ran 1.7x faster, issue #15) and keeps
+``precision`` otherwise; ``same`` always keeps ``precision``; ``fp32``, ``bf16`` and ``bf16-autocast``
+force one. Greedy turns under bf16 weights and bf16 autocast agree to bfloat16 rounding
+(tests/test_policy.py states the tolerance).
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ class ModelConfig(StageConfig):
                               "folder, a qevolve checkpoint folder, or a hub name")
     precision: Precision = Field("auto", description="fp32 | bf16 | bf16-autocast | auto (bf16-autocast where "
                                  "bf16 matrix multiplies are fast, else fp32)")
+    acting_precision: Literal["auto", "same", "fp32", "bf16", "bf16-autocast"] = Field(
+        "auto", description="precision when acting (rollouts, evaluation): auto (bf16 weights where precision "
+        "resolves to bf16-autocast, else precision), same (precision), or fp32 | bf16 | bf16-autocast")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass "
@@ -71,6 +82,17 @@ class ModelConfig(StageConfig):
     attn_implementation: str = Field("packed_sdpa", description="attention kernel: packed_sdpa (sdpa that attends "
                                      "per sequence in packed rows, see qevolve.policy.attention), sdpa, eager, "
                                      "flash_attention_2")
+
+
+    def for_acting(self) -> "ModelConfig":
+        """This config with ``precision`` replaced by the acting precision (see the module docstring)."""
+        choice = self.acting_precision
+        if choice == "same":
+            return self.model_copy()
+        if choice == "auto":
+            resolved = resolve_precision(self.precision, resolve_device(self.device))
+            choice = "bf16" if resolved == "bf16-autocast" else self.precision
+        return self.model_copy(update={"precision": choice})
 
 
 def cpu_has_fast_bf16() -> bool:

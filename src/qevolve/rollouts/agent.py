@@ -41,6 +41,9 @@ class AgentConfig(StageConfig):
     seed: int = Field(0, description="seed of sampled decoding (each step uses seed + step)")
     reuse_cache: bool = Field(True, description="keep each episode's attention cache between turns (encode only "
                               "new tokens); false re-encodes the whole prompt every turn")
+    kv_cache: Literal["growing", "dynamic"] = Field(
+        "growing", description="HF backend key/value storage: growing (one preallocated buffer per batch, "
+        "written in place) or dynamic (transformers' DynamicCache, reallocated at every token; more memory)")
     format_error_policy: Literal["skip", "noop", "execute_readable"] = Field(
         "skip", description="what the environment sees after a malformed turn")
     format_error_observation: str = Field(

@@ -18,17 +18,36 @@ decoding loop:
   and attention it would see alone. When the requested keys or prompts do not extend the cached
   rows (a new wave of episodes, a truncated history), the cache is rebuilt from the full prompts.
 
+* **Key/value storage** (``kv_cache``). ``growing`` (the default) keeps each layer's keys and values
+  in one preallocated buffer per batch, ``[rows, kv heads, capacity, head dim]``, written in place:
+  a generate call reserves room for its whole turn (cached length + new chunk + ``max_new_tokens``)
+  up front, and capacity grows geometrically (x1.25), so a turn allocates at most once instead of
+  once per generated token. When fewer than half of the cached slots hold real tokens (rows that
+  stopped early, truncated histories, left padding), the rows are compacted to their real tokens.
+  ``dynamic`` is transformers' ``DynamicCache``, which concatenates (reallocates) every layer's
+  whole cache at every generated token; with glibc malloc that churn fragments the heap and grows
+  resident memory far beyond the cache itself (see docs/memory.md). Both give the same tokens.
+
 Log-probs are those of the sampled tokens under the policy's own distribution at temperature 1
 (what an importance ratio needs), whatever temperature/top-p was used to sample.
+
+The interface used by :mod:`qevolve.rollouts.agent` is :meth:`GenerationBackend.generate` and
+:meth:`GenerationBackend.release` plus ``stats``; ``kv_cache`` is a constructor argument of the HF
+backend only.
 """
 
 from __future__ import annotations
 
 import abc
+import ctypes
+import ctypes.util
+import math
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Literal, Sequence
 
 import torch
+
+KVCache = Literal["growing", "dynamic"]
 
 
 @dataclass
@@ -59,6 +78,7 @@ class GenerationStats:
     prompt_tokens_encoded: int = 0
     tokens_generated: int = 0
     cache_rebuilds: int = 0
+    compactions: int = 0  # growing cache: times the padding slots were dropped
     seconds: float = 0.0
 
 
@@ -82,6 +102,133 @@ class _Row:
     next_position: int  # position id of the row's next real token
 
 
+def release_free_memory() -> bool:
+    """Ask glibc to return freed heap memory to the system (``malloc_trim``); False where unavailable."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+def _growing_cache_class():
+    """The preallocated cache classes, built on transformers' cache API (imported lazily)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """One layer's keys/values in a buffer of ``capacity`` slots; ``keys``/``values`` are views of the used part."""
+
+        def __init__(self, owner: "GrowingCache"):
+            super().__init__()
+            self.owner = owner
+            self.key_buffer: torch.Tensor | None = None
+            self.value_buffer: torch.Tensor | None = None
+            self.length = 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.device = key_states.device
+            self.is_initialized = True
+
+        def _set_views(self) -> None:
+            if self.key_buffer is None:
+                self.keys = self.values = None
+                return
+            self.keys = self.key_buffer[:, :, : self.length]
+            self.values = self.value_buffer[:, :, : self.length]
+
+        def _resize(self, capacity: int, like: torch.Tensor) -> None:
+            shape = (*like.shape[:2], capacity, like.shape[-1])
+            keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+            values = torch.empty(shape, dtype=like.dtype, device=like.device)
+            if self.length:
+                keys[:, :, : self.length].copy_(self.key_buffer[:, :, : self.length])
+                values[:, :, : self.length].copy_(self.value_buffer[:, :, : self.length])
+            self.key_buffer, self.value_buffer = keys, values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            capacity = 0 if self.key_buffer is None else self.key_buffer.shape[-2]
+            if end > capacity:
+                self._resize(self.owner.capacity_for(end, capacity), key_states)
+            self.key_buffer[:, :, self.length:end].copy_(key_states)
+            self.value_buffer[:, :, self.length:end].copy_(value_states)
+            self.length = end
+            self._set_views()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.key_buffer is not None:
+                self.key_buffer = self.key_buffer.index_select(0, indices.to(self.key_buffer.device))
+                self.value_buffer = self.value_buffer.index_select(0, indices.to(self.value_buffer.device))
+                self._set_views()
+
+        def gather_slots(self, index: torch.Tensor, capacity: int) -> None:
+            """Keep, per row, the slots ``index[row]`` (``[rows, n]``), in a buffer of ``capacity`` slots."""
+            if self.key_buffer is None:
+                return
+            rows, heads, _, dim = self.key_buffer.shape
+            n = index.shape[1]
+            expanded = index.to(self.key_buffer.device)[:, None, :, None].expand(rows, heads, n, dim)
+            keys = self.key_buffer.new_empty((rows, heads, capacity, dim))
+            values = self.value_buffer.new_empty((rows, heads, capacity, dim))
+            torch.gather(self.key_buffer[:, :, : self.length], 2, expanded, out=keys[:, :, :n])
+            torch.gather(self.value_buffer[:, :, : self.length], 2, expanded, out=values[:, :, :n])
+            self.key_buffer, self.value_buffer, self.length = keys, values, n
+            self._set_views()
+
+        def reset(self) -> None:
+            self.key_buffer = self.value_buffer = None
+            self.length = 0
+            super().reset()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("the growing cache is not croppable")
+
+    class GrowingCache(Cache):
+        """A cache of :class:`GrowingLayer`; ``reserve`` sizes every layer's buffer for the coming tokens."""
+
+        growth = 1.25  # capacity grows to at least this multiple of the old one
+        block = 64  # capacities are multiples of this many slots
+
+        def __init__(self):
+            self.reserved = 0
+            super().__init__(layer_class_to_replicate=lambda: GrowingLayer(self))
+
+        def capacity_for(self, needed: int, current: int) -> int:
+            target = max(needed, self.reserved, math.ceil(current * self.growth) if current else 0)
+            return -(-target // self.block) * self.block
+
+        def reserve(self, length: int) -> None:
+            """The next writes will reach ``length`` slots: a layer that must grow grows to at least that."""
+            self.reserved = length
+
+        def gather_slots(self, index: torch.Tensor, capacity: int) -> None:
+            for layer in self.layers:
+                layer.gather_slots(index, capacity)
+
+    return GrowingCache
+
+
+_GROWING_CACHE = None
+
+
+def new_growing_cache():
+    """A preallocated, geometrically growing key/value cache (see the module docstring)."""
+    global _GROWING_CACHE
+    if _GROWING_CACHE is None:
+        _GROWING_CACHE = _growing_cache_class()
+    return _GROWING_CACHE()
+
+
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     if params.temperature <= 0:
         return logits.argmax(dim=-1)
@@ -100,9 +247,14 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
 class HFGenerationBackend(GenerationBackend):
     """In-process Hugging Face generation with batch-level KV-cache reuse between turns."""
 
+    compact_below = 0.5  # compact the cache when fewer than this fraction of its slots hold real tokens
+
     def __init__(self, model, stop_token_ids: Sequence[int], pad_token_id: int = 0, reuse_cache: bool = True,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, kv_cache: KVCache = "growing"):
+        if kv_cache not in ("growing", "dynamic"):
+            raise ValueError(f"kv_cache {kv_cache!r}: expected 'growing' or 'dynamic'")
         self.model = model
+        self.kv_cache = kv_cache
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
         if not len(self.stop_token_ids):
             raise ValueError("at least one stop token id is needed to end a turn")
@@ -129,7 +281,26 @@ class HFGenerationBackend(GenerationBackend):
         self._select_rows(keep)
 
     def _reset_cache(self) -> None:
+        had_cache = self._cache is not None
         self._rows, self._cache, self._mask = [], None, None
+        if had_cache and self.kv_cache == "growing":
+            release_free_memory()  # the freed buffers of a whole batch go back to the system
+
+    def _compact(self, reserve: int) -> None:
+        """Drop the padding slots of every row (growing cache only): keep each row's real tokens, in order."""
+        mask = self._mask.bool()
+        counts = mask.sum(dim=1)
+        length = int(counts.max())
+        # Row i keeps its real slots right-aligned; the left part repeats slot 0 and is masked out.
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real slots first, in order
+        shift = (length - counts).unsqueeze(1)
+        columns = torch.arange(length, device=mask.device).unsqueeze(0)
+        source = columns - shift
+        index = torch.where(source >= 0, order.gather(1, source.clamp(min=0)), torch.zeros_like(source))
+        self._cache.gather_slots(index, self._cache.capacity_for(length + reserve, 0))
+        self._mask = (source >= 0).to(self._mask.dtype)
+        self.stats.compactions += 1
+        release_free_memory()
 
     def _select_rows(self, indices: list[int]) -> None:
         index = torch.tensor(indices, dtype=torch.long, device=self.device)
@@ -161,14 +332,17 @@ class HFGenerationBackend(GenerationBackend):
         self._rows = [_Row(r.key, [], 0) for r in requests]
         return [list(r.prompt_ids) for r in requests]
 
-    def _forward(self, input_ids: torch.Tensor, new_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        if self._cache is None:
-            self._cache = DynamicCache()
-            self._mask = new_mask
+    def _new_cache(self, batch: int) -> None:
+        if self.kv_cache == "growing":
+            self._cache = new_growing_cache()
         else:
-            self._mask = torch.cat([self._mask, new_mask], dim=1)
+            from transformers import DynamicCache
+
+            self._cache = DynamicCache()
+        self._mask = torch.zeros((batch, 0), dtype=torch.long, device=self.device)
+
+    def _forward(self, input_ids: torch.Tensor, new_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self._mask = torch.cat([self._mask, new_mask], dim=1)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
                              cache=self._cache, use_cache=True, logits_to_keep=1)
@@ -188,6 +362,13 @@ class HFGenerationBackend(GenerationBackend):
         device = self.device
         batch = len(requests)
         width = max(len(c) for c in chunks)
+        if self._cache is None:
+            self._new_cache(batch)
+        if self.kv_cache == "growing":
+            cached = self._mask.shape[1]
+            if cached and int(self._mask.sum()) < self.compact_below * cached * batch:
+                self._compact(width + params.max_new_tokens)
+            self._cache.reserve(self._mask.shape[1] + width + params.max_new_tokens)
         ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         positions = torch.zeros((batch, width), dtype=torch.long)

@@ -73,7 +73,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
     jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
             if job[0] not in done_ids]
     if policy is None:
-        policy = load_policy(config.model, trainable=False)
+        policy = load_policy(config.model.for_acting(), trainable=False)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     autocast = None
     if policy.precision == "bf16-autocast":
@@ -84,7 +84,8 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
     if policy.tokenizer.eos_token_id is not None:
         stop_ids.append(policy.tokenizer.eos_token_id)
     backend = HFGenerationBackend(policy.model, stop_ids, policy.tokenizer.pad_token_id or 0,
-                                  reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast)
+                                  reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast,
+                                  kv_cache=config.agent.kv_cache)
     if config.rerank_critic:
         from qevolve.critic.train import load_critic
         from qevolve.rollouts.rerank import CriticRerankBackend
