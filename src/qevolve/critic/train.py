@@ -239,8 +239,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             acc["seconds"] += time.perf_counter() - started
             batch_done += 1
             global_step += 1
-            bar.update(1)
             bar.set_postfix(loss_v=f"{acc['loss_v'] / acc['batches']:.4f}", loss_q=f"{acc['loss_q'] / acc['batches']:.4f}")
+            bar.update(1)
             if global_step % config.checkpoint_every_steps == 0:
                 save_state()
             if stop_after_steps is not None and global_step >= stop_after_steps:

@@ -148,8 +148,8 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
                 else:
                     report.dropped[reason] += 1
                 pending_attempts[task_id] = reason
-                bar.update(1)
                 bar.set_postfix(kept=report.kept, dropped=sum(report.dropped.values()), retried=report.retried)
+                bar.update(1)
                 if len(buffer) >= shard_size:
                     flush()
             round_jobs = retry_jobs

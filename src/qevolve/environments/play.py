@@ -74,9 +74,9 @@ def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: in
                 episodes.append(outcome.failed_episode(env_name))
             else:
                 episodes.append(outcome.episode)
-            bar.update(1)
             won = sum(ep.won for ep in episodes)
             bar.set_postfix(won=f"{won}/{len(episodes)}")
+            bar.update(1)
     bar.close()
     seconds = time.perf_counter() - started
     n = len(episodes)

@@ -121,8 +121,9 @@ def _check_turn_format(episodes: list[Episode], turn_format: str, source: str) -
         for t, turn in enumerate(ep.turns):
             if turn.action_ids is None and not parse_turn(turn.agent_text, turn_format).format_valid:
                 raise ValueError(f"{source}: episode {ep.episode_id!r} turn {t} is not in prompt.turn_format "
-                                 f"{turn_format!r} ({turn.agent_text[:60]!r}); expert demonstrations without "
-                                 f"thoughts need turn_format=action")
+                                 f"{turn_format!r} ({turn.agent_text[:60]!r}); set prompt.turn_format to the "
+                                 f"demonstrations' format (action for turns without thoughts; auto picks the "
+                                 f"environment's)")
 
 
 def prepare_sequences(episodes: list[Episode], builder: PromptBuilder, max_length: int | None = None,
@@ -267,8 +268,8 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
         compute_seconds += seconds
         tokens_done += step_tokens
         losses.append(loss)
-        bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / seconds:.0f}")
+        bar.update(1)
         if step % config.log_every == 0:
             values = {"train/loss": loss, "train/agent_accuracy": step_correct / step_targets,
                       "train/lr": trainer.scheduler.get_last_lr()[0], "train/tokens_per_second": step_tokens / seconds,

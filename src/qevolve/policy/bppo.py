@@ -220,8 +220,8 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         step += 1
         step_stats["tokens_per_second"] = sum(b[0].num_tokens for b in batches) / (time.perf_counter() - t0)
         stats_log.append(step_stats)
-        bar.update(1)
         bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
+        bar.update(1)
         if step % config.log_every == 0:
             writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
         trainer.maybe_save(step, {"old_logprobs": old_logp, "ref_logprobs": ref_logp})

@@ -113,9 +113,9 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
         finished.append(state.episode)
         if on_episode:
             on_episode(state.episode)
-        bar.update(1)
         won = sum(ep.won for ep in finished)
         bar.set_postfix(won=f"{won}/{len(finished)}", tok_s=f"{tokens / max(gen_seconds, 1e-9):.0f}")
+        bar.update(1)
 
     with EnvPool(env_name, env_kwargs, num_workers=config.num_workers, step_timeout=config.step_timeout) as pool:
         while queue or live:
