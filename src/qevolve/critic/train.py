@@ -25,8 +25,8 @@ import torch
 
 from qevolve.buffer.store import Episode, usable_episodes
 from qevolve.config import dump_config
-from qevolve.progress import progress_bar, quiet_third_party, use_bars
 from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters
+from qevolve.progress import progress_bar, quiet_third_party, use_bars
 from qevolve.critic.checkpoint import atomic_torch_save
 from qevolve.critic.config import CriticConfig
 from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint, token_budget_batches
@@ -51,8 +51,8 @@ def init_path_of(config: CriticConfig) -> Path:
 
 def critic_samples(episodes: list[Episode], config: CriticConfig) -> list[CriticSample]:
     """Samples of the episodes the critic learns from (failed ones only with ``include_failed``)."""
-    return build_samples(usable_episodes(episodes, config.include_failed), config.retrospective, config.iql.weighting, config.iql.gamma,
-                         config.max_sequence_tokens)
+    return build_samples(usable_episodes(episodes, config.include_failed), config.retrospective,
+                         config.iql.weighting, config.iql.gamma, config.max_sequence_tokens)
 
 
 def explained_variance(predicted: np.ndarray, target: np.ndarray) -> float:
@@ -203,6 +203,13 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             progress=progress, desc="feature statistics")
         critic.heads.fit_normalizer(torch.cat([torch.cat(pair) for pair in fit_on]))
     iql = config.iql
+
+    def guard(value: torch.Tensor, quantity: str) -> None:
+        """Stop before a non-finite loss or gradient is applied; the last saved state stays as it was."""
+        if not bool(torch.isfinite(value)):
+            check_finite(value, f"critic (epoch {epoch + 1})", global_step + 1, quantity,
+                         state_path if state_path.is_file() else None)
+
     while epoch < config.epochs:
         batches = token_budget_batches(samples, _epoch_order(len(samples), config.seed, epoch), config.batch_tokens)
         if config.backbone != "frozen":
@@ -219,14 +226,11 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             with torch.no_grad():
                 target_q = critic.target_q_min(q_features.detach())
             losses = iql_losses(values, q_values, target_q, batch, iql.expectile, iql.gamma, iql.truncated_bootstrap)
-            where = f"critic (epoch {epoch + 1})"
-            last_good = state_path if state_path.is_file() else None
             for name in ("loss_v", "loss_q"):
-                check_finite(losses[name], where, global_step + 1, name, last_good)
+                guard(losses[name], name)
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip)
-            check_finite(grad_norm, where, global_step + 1, "gradient norm", last_good)
+            guard(torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip), "gradient norm")
             optimizer.step()
             critic.update_target(iql.polyak)
 

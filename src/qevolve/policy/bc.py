@@ -34,8 +34,8 @@ from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batc
 from qevolve.policy.forward import target_nll
 from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
-from qevolve.progress import progress_bar, quiet_third_party, use_bars
 from qevolve.policy.trainer import RESUME_FREE, ScalarWriter, Trainer, TrainingConfig, latest_checkpoint
+from qevolve.progress import progress_bar, quiet_third_party, use_bars
 
 __all__ = ["BCDataConfig", "BCConfig", "BCResult", "run_bc", "evaluate_nll", "load_buffer", "prepare_sequences",
            "latest_checkpoint"]

@@ -39,8 +39,8 @@ from qevolve.policy.forward import target_logprobs
 from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.objectives import ObjectiveConfig, compute_objective
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
-from qevolve.progress import progress_bar, quiet_third_party, use_bars
 from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
+from qevolve.progress import progress_bar, quiet_third_party, use_bars
 
 __all__ = ["PolicyStageConfig", "PolicyResult", "run_policy_update", "sequence_logprobs"]
 

@@ -270,7 +270,10 @@ class Trainer:
 
     def check_finite(self, value: Any, stage: str, step: int | None, quantity: str) -> float:
         """``value`` as a float, or NonFiniteError naming the stage, step, quantity and last good checkpoint."""
-        return check_finite(value, stage, step, quantity, latest_checkpoint(self.output_dir))
+        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if math.isfinite(number):
+            return number
+        return check_finite(number, stage, step, quantity, latest_checkpoint(self.output_dir))  # raises
 
     def check_parameters(self, stage: str, step: int | None) -> None:
         """NonFiniteError if a trainable parameter holds NaN or infinity (before any save)."""
