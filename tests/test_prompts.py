@@ -201,3 +201,29 @@ def test_bad_prompt_config_values_fail_with_the_field_name():
         load_config(PromptConfig, None, ["turn_format=poem"])
     with pytest.raises(ConfigError, match="restart_fill"):
         load_config(PromptConfig, None, ["restart_fill=0"])
+
+
+def test_turn_format_auto_follows_each_environments_demonstrations(tiny_tokenizer):
+    """auto = the format the environment's own demonstrations are written in, so BC and acting agree."""
+    from qevolve.environments.policies import ReplayPolicy
+    from qevolve.environments.sciworld.expert import GoldPathPolicy
+    from qevolve.environments.turn_format import parse_turn
+    from qevolve.environments.webshop.oracle import OraclePolicy
+    from qevolve.policy.prompts import environment_turn_format
+
+    config = PromptConfig(chat_template="chatml")
+    assert config.turn_format == "auto"
+    demonstrations = {"alfworld": ReplayPolicy(["go to desk 1"]), "sciworld": GoldPathPolicy(),
+                      "webshop": OraclePolicy()}
+    expected = {"alfworld": "action", "sciworld": "action", "webshop": "thought_action"}
+    for env, policy in demonstrations.items():
+        builder = PromptBuilder.for_environment(tiny_tokenizer, config, env)
+        assert builder.config.turn_format == expected[env] == environment_turn_format(env), env
+        text = policy.turn_text("look")
+        assert parse_turn(text, builder.config.turn_format).format_valid, (env, text)
+        assert builder.formatter.config.turn_format == expected[env]
+    # an explicit format wins; without an environment, auto means action
+    explicit = PromptBuilder.for_environment(tiny_tokenizer, PromptConfig(chat_template="chatml",
+                                                                          turn_format="thought_action"), "alfworld")
+    assert explicit.config.turn_format == "thought_action"
+    assert PromptBuilder(tiny_tokenizer, config, "Go.").config.turn_format == "action"

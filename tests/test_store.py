@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from qevolve.buffer.store import (
-    SCHEMA_KEY, Episode, StoreError, Turn, read_episodes, read_metadata, summarize, write_episodes, write_shard,
+    SCHEMA_KEY, Episode, StoreError, Turn, read_episodes, read_metadata, summarize, usable_episodes, write_episodes,
+    write_shard,
 )
 from qevolve.buffer.tokenized import tokenized_from_episode
 
@@ -54,7 +55,7 @@ def test_rejects_other_schema_version(tmp_path):
     meta = dict(table.schema.metadata)
     meta[SCHEMA_KEY] = b"99"
     pq.write_table(table.replace_schema_metadata(meta), path)
-    with pytest.raises(StoreError, match=r"a\.parquet: trajectory schema version 99, but this qevolve reads version 1"):
+    with pytest.raises(StoreError, match=r"a\.parquet: trajectory schema version 99, but this qevolve reads version 2 \(and the older 1\)"):
         read_episodes(path)
 
 
@@ -88,3 +89,57 @@ def test_tokenized_trajectory_spans():
     assert sum(traj.action_mask()) == 6
     with pytest.raises(ValueError, match="no token ids"):
         tokenized_from_episode(make_episode(1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_reward_refused_on_write(tmp_path, bad):
+    episodes = [make_episode(0), make_episode(1)]
+    episodes[1].turns[2].reward = bad
+    with pytest.raises(StoreError, match=rf"bad\.parquet: episode 'ep1' turn 2: reward is {bad}; expected a finite"):
+        write_episodes(tmp_path / "bad.parquet", episodes)
+    assert not list(tmp_path.iterdir())
+
+
+def test_non_finite_values_refused_on_read(tmp_path):
+    path = write_episodes(tmp_path / "a.parquet", [make_episode(0), make_episode(1)])
+    table = pq.read_table(path)
+    rewards = table.column("reward").to_pylist()
+    rewards[4] = float("nan")  # episode ep1, turn 1
+    table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array(rewards, pa.float64()))
+    pq.write_table(table, path)  # keeps the schema metadata
+    with pytest.raises(StoreError, match=r"a\.parquet: episode 'ep1' turn 1: reward is nan"):
+        read_episodes(path)
+    episodes = [make_episode(0)]
+    episodes[0].turns[0].advantage = float("inf")
+    with pytest.raises(StoreError, match=r"turn 0: advantage is inf"):
+        write_episodes(tmp_path / "b.parquet", episodes)
+
+
+def test_failed_episodes_are_stored_with_their_reason(tmp_path):
+    partial = make_episode(1, n_turns=2, won=False)
+    partial.failed, partial.failure_reason = True, "worker 123 died (exit code -9)"
+    empty = Episode("ep2", "task/2", "alfworld", "train", "self", failed=True,
+                    failure_reason="no answer within the step timeout (60 s)")
+    episodes = [make_episode(0), partial, empty, make_episode(3)]
+    path = write_episodes(tmp_path / "f.parquet", episodes)
+    back = read_episodes(path)
+    assert back == episodes
+    assert [ep.failure_reason for ep in back] == [None, "worker 123 died (exit code -9)",
+                                                  "no answer within the step timeout (60 s)", None]
+    table = pq.read_table(path)
+    assert table.num_rows == 3 + 2 + 1 + 3 and table.column("turn_index")[5].as_py() is None
+    assert sum(row["failed"] for row in summarize(back)["groups"]) == 2
+    # Training leaves them out by rule; include_failed keeps the partial one (the empty one has nothing).
+    assert [ep.episode_id for ep in usable_episodes(back)] == ["ep0", "ep3"]
+    assert [ep.episode_id for ep in usable_episodes(back, include_failed=True)] == ["ep0", "ep1", "ep3"]
+
+
+def test_reads_schema_version_1(tmp_path):
+    path = write_episodes(tmp_path / "v1.parquet", [make_episode(0), make_episode(1, won=False)])
+    table = pq.read_table(path).drop_columns(["failed", "failure_reason"])
+    meta = dict(table.schema.metadata)
+    meta[SCHEMA_KEY] = b"1"
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    back = read_episodes(path)
+    assert [ep.episode_id for ep in back] == ["ep0", "ep1"] and not any(ep.failed for ep in back)
+    assert back[0] == make_episode(0)

@@ -6,6 +6,7 @@ everything else is a bug and shows its traceback.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # OpenMP threads that spin-wait between parallel regions collapse generation when another process
@@ -17,7 +18,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
@@ -59,6 +60,25 @@ def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
     typer.echo("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells:
         typer.echo("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |")
+
+
+def show_config_option(config_class: str) -> Any:
+    """``--show-config``: print every field of ``module:Class`` with its default and exit (before any
+    other option is checked, so it works without the sub-command's required options)."""
+
+    def show(ctx: typer.Context, value: bool) -> None:
+        if not value or ctx.resilient_parsing:
+            return
+        from qevolve.config import describe_config
+
+        module, _, name = config_class.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        print_table([{"field": n, "type": t, "default": d, "description": d_}
+                     for n, t, d, d_ in describe_config(cls)])
+        raise typer.Exit()
+
+    return typer.Option(False, "--show-config", is_eager=True, callback=show,
+                        help="print every config field with its default and description, and exit")
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -163,7 +183,9 @@ def env_play(
     print_table([result.metrics])
     if output is not None:
         write_episodes(output, result.episodes, {"env": env, "split": split, "policy": policy})
-        typer.echo(f"wrote {len(result.episodes)} episodes to {output}")
+        failed = f" ({len(result.failures)} failed, with failed=true and their failure_reason)" \
+            if result.failures else ""
+        typer.echo(f"wrote {len(result.episodes)} episodes{failed} to {output}")
 
 
 @app.command("report")
@@ -217,6 +239,7 @@ def critic_command(
     restart: bool = typer.Option(False, help="ignore a resumable state in the output folder"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
     overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE config overrides, e.g. epochs=5"),
+    show_config: bool = show_config_option("qevolve.critic.config:CriticConfig"),
 ) -> None:
     """Train the weighted-IQL critic on a buffer (resumes an interrupted run in the same output folder)."""
     from qevolve.buffer.store import read_episodes
@@ -243,6 +266,7 @@ def label_command(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML config (defaults: configs/label.yaml)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
     overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE config overrides, e.g. estimator=td1"),
+    show_config: bool = show_config_option("qevolve.process_rewards.label:LabelConfig"),
 ) -> None:
     """Write r_aux, V, Q and the process reward (advantage) on every turn of a buffer."""
     from qevolve.buffer.store import read_episodes, read_metadata, write_episodes
@@ -284,15 +308,12 @@ def model_install(
 def bc(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. max_steps=20"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/bc.yaml)"),
-    show_config: bool = typer.Option(False, "--show-config", help="print every field with its default and exit"),
+    show_config: bool = show_config_option("qevolve.policy.bc:BCConfig"),
 ) -> None:
     """Behaviour cloning: fine-tune the policy on the agent turns of a trajectory buffer (resumable)."""
-    from qevolve.config import describe_config, dump_config, load_config
+    from qevolve.config import dump_config, load_config
     from qevolve.policy.bc import BCConfig, run_bc
 
-    if show_config:
-        print_table([{"field": n, "type": t, "default": d, "description": s} for n, t, d, s in describe_config(BCConfig)])
-        return
     cfg = load_config(BCConfig, config, overrides or [])
     typer.echo(dump_config(cfg).rstrip())
     result = run_bc(cfg, log=typer.echo)
@@ -313,6 +334,7 @@ def policy_command(
     init: Optional[str] = typer.Option(None, "--init", help="the policy that starts the phase (a checkpoint folder)"),
     reference: Optional[str] = typer.Option(None, help="the BC policy of the KL term (default: --init)"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML PolicyStageConfig"),
+    show_config: bool = show_config_option("qevolve.policy.bppo:PolicyStageConfig"),
 ) -> None:
     """Behaviour-proximal PPO (or AWR) on a labelled buffer; writes OUTPUT_DIR/final (resumable)."""
     from qevolve.config import load_config
@@ -353,6 +375,7 @@ def rollout(
     tasks: Optional[int] = typer.Option(None, "--tasks", help="only the first K tasks"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
     output: Optional[Path] = typer.Option(None, help="trajectory folder (default: runs/rollouts/ENV-SPLIT)"),
+    show_config: bool = show_config_option("qevolve.rollouts.run:RolloutConfig"),
 ) -> None:
     """Act with a policy checkpoint on a split; write the self trajectories (resumable shards)."""
     from qevolve.rollouts.run import run_rollouts
@@ -374,6 +397,7 @@ def evaluate(
     limit: Optional[int] = typer.Option(None, help="only the first N tasks (quick runs)"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
     output: Optional[Path] = typer.Option(None, help="output folder (default: runs/eval/ENV-SPLIT)"),
+    show_config: bool = show_config_option("qevolve.rollouts.run:RolloutConfig"),
 ) -> None:
     """Evaluate a policy checkpoint: trajectories, metrics.json and a table."""
     from qevolve.rollouts.run import run_eval
@@ -395,16 +419,12 @@ def evolve(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. iterations=2"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML EvolveConfig (e.g. configs/quickstart.yaml)"),
     resume: bool = typer.Option(False, help="continue the run after its last completed stage"),
-    show_config: bool = typer.Option(False, "--show-config", help="print every field with its default and exit"),
+    show_config: bool = show_config_option("qevolve.evolve.loop:EvolveConfig"),
 ) -> None:
     """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
-    from qevolve.config import describe_config, load_config
+    from qevolve.config import load_config
     from qevolve.evolve.loop import EvolveConfig, run_evolve
 
-    if show_config:
-        print_table([{"field": n, "type": t, "default": d, "description": s}
-                     for n, t, d, s in describe_config(EvolveConfig)])
-        return
     cfg = load_config(EvolveConfig, config, overrides or [])
     started = time.time()
     table = run_evolve(cfg, resume=resume, log=typer.echo)
@@ -414,6 +434,9 @@ def evolve(
 
 
 def main() -> None:
+    from qevolve.progress import quiet_third_party
+
+    quiet_third_party()  # library bars only on a terminal; no transformers FutureWarning noise
     try:
         app()
     except USER_ERRORS as err:

@@ -11,6 +11,18 @@ the agent's turn (for t = 0 the system prompt, instruction and first observation
 observation message), and ``action_ids`` are the agent's own tokens. Concatenating
 ``context_ids + action_ids`` over the turns gives the whole conversation once, with every action
 span known, so later stages never re-tokenise decoded text.
+
+Failed episodes (a worker died, an environment step timed out) are stored too, with
+``failed = True`` and the reason in ``failure_reason``, holding the turns played before the
+failure; one that failed before its first turn is a single row whose turn columns are null
+(``turn_index`` null). Training stages leave them out by rule (:func:`usable_episodes`).
+
+Every reward and label (``reward``, ``score``, ``r_aux``, ``value``, ``q_value``, ``advantage``)
+must be a finite number: a store holding NaN or infinity is refused when written and when read,
+naming the file, episode and turn.
+
+Schema versions: 2 added ``failed`` and ``failure_reason``; version 1 files are still read (as
+episodes that did not fail).
 """
 
 from __future__ import annotations
@@ -23,9 +35,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 lacks the failed/failure_reason columns
 SCHEMA_KEY = b"qevolve.trajectory_schema_version"
 META_KEY = b"qevolve.metadata"
 
@@ -71,6 +85,8 @@ class Episode:
     score: float = 0.0  # final environment reward of the episode
     final_observation: str = ""  # o_T, the observation after the last action
     meta: dict[str, Any] = field(default_factory=dict)
+    failed: bool = False  # lost to an environment failure (worker death, timeout); turns are those played
+    failure_reason: str | None = None  # why it failed (None unless failed)
 
     def next_observation(self, t: int) -> str:
         """o_{t+1}: the observation that answered turn t."""
@@ -94,7 +110,9 @@ ARROW_SCHEMA = pa.schema([
     ("score", pa.float64()),
     ("final_observation", pa.string()),
     ("meta", pa.string()),  # JSON
-    ("turn_index", pa.int32()),
+    ("failed", pa.bool_()),
+    ("failure_reason", pa.string()),
+    ("turn_index", pa.int32()),  # null on the single row of a failed episode without turns
     ("observation", pa.string()),
     ("agent_text", pa.string()),
     ("action", pa.string()),
@@ -115,13 +133,41 @@ ARROW_SCHEMA = pa.schema([
 ])
 
 
-def episodes_to_table(episodes: Iterable[Episode]) -> pa.Table:
+#: float columns that must hold finite numbers (null allowed where the field is optional)
+FINITE_COLUMNS = ("reward", "score", "r_aux", "value", "q_value", "advantage")
+
+
+def check_finite(table: pa.Table, source: str) -> None:
+    """Refuse NaN or infinite rewards and labels, naming ``source``, the episode, the turn and the column."""
+    for name in FINITE_COLUMNS:
+        column = table.column(name)
+        bad = pc.invert(pc.fill_null(pc.is_finite(column), True))
+        if not pc.any(bad).as_py():
+            continue
+        row = pc.index(bad, True).as_py()
+        episode = table.column("episode_id")[row].as_py()
+        turn = table.column("turn_index")[row].as_py()
+        value = column[row].as_py()
+        where = f"episode {episode!r}" if name == "score" else f"episode {episode!r} turn {turn}"
+        raise StoreError(f"{source}: {where}: {name} is {value}; expected a finite number")
+
+
+def _empty_turn_values() -> dict[str, Any]:
+    return {"turn_index": None, **{name: None for name in _TURN_FIELDS}}
+
+
+def episodes_to_table(episodes: Iterable[Episode], source: str = "episodes") -> pa.Table:
     columns: dict[str, list[Any]] = {name: [] for name in ARROW_SCHEMA.names}
     for ep in episodes:
-        if not ep.turns:
-            raise StoreError(f"episode {ep.episode_id!r} has no turns; the store keeps one row per turn")
+        if not ep.turns and not ep.failed:
+            raise StoreError(f"episode {ep.episode_id!r} has no turns; the store keeps one row per turn "
+                             f"(only a failed episode may have none)")
         ep_values = {name: getattr(ep, name) for name in _EPISODE_FIELDS}
         ep_values["meta"] = json.dumps(ep.meta, sort_keys=True)
+        if not ep.turns:  # a failed episode that never played a turn: one row, turn columns null
+            for name, value in {**ep_values, **_empty_turn_values()}.items():
+                columns[name].append(value)
+            continue
         for t, turn in enumerate(ep.turns):
             for name, value in ep_values.items():
                 columns[name].append(value)
@@ -129,7 +175,9 @@ def episodes_to_table(episodes: Iterable[Episode]) -> pa.Table:
             for name in _TURN_FIELDS:
                 value = getattr(turn, name)
                 columns[name].append(json.dumps(value, sort_keys=True) if name == "info" else value)
-    return pa.Table.from_pydict(columns, schema=ARROW_SCHEMA)
+    table = pa.Table.from_pydict(columns, schema=ARROW_SCHEMA)
+    check_finite(table, source)
+    return table
 
 
 def table_to_episodes(table: pa.Table) -> list[Episode]:
@@ -139,16 +187,31 @@ def table_to_episodes(table: pa.Table) -> list[Episode]:
     current: Episode | None = None
     for i in range(n):
         turn_index = data["turn_index"][i]
-        if turn_index == 0:
+        if turn_index is None or turn_index == 0:
             current = Episode(**{name: data[name][i] for name in _EPISODE_FIELDS})
             current.meta = json.loads(current.meta) if current.meta else {}
+            current.failed = bool(current.failed)
             episodes.append(current)
+            if turn_index is None:
+                if not current.failed:
+                    raise StoreError(f"row {i}: episode {current.episode_id!r} has no turns but is not failed")
+                current = None
+                continue
         elif current is None or data["episode_id"][i] != current.episode_id or turn_index != current.num_turns:
             raise StoreError(f"row {i}: turn {turn_index} of episode {data['episode_id'][i]!r} is out of order")
         turn_values = {name: data[name][i] for name in _TURN_FIELDS}
         turn_values["info"] = json.loads(turn_values["info"]) if turn_values["info"] else {}
         current.turns.append(Turn(**turn_values))
     return episodes
+
+
+def usable_episodes(episodes: Iterable[Episode], include_failed: bool = False) -> list[Episode]:
+    """The episodes a training stage may learn from: the rule that keeps failed episodes out.
+
+    Failed episodes (environment failures, see :class:`Episode`) are left out unless
+    ``include_failed``; episodes without turns are always left out (nothing to learn from).
+    """
+    return [ep for ep in episodes if ep.turns and (include_failed or not ep.failed)]
 
 
 def _atomic_write_table(table: pa.Table, path: Path, metadata: dict[str, Any] | None) -> None:
@@ -168,7 +231,7 @@ def _atomic_write_table(table: pa.Table, path: Path, metadata: dict[str, Any] | 
 def write_episodes(path: str | Path, episodes: Iterable[Episode], metadata: dict[str, Any] | None = None) -> Path:
     """Write episodes to one Parquet file atomically (temp file + rename)."""
     path = Path(path)
-    _atomic_write_table(episodes_to_table(episodes), path, metadata)
+    _atomic_write_table(episodes_to_table(episodes, str(path)), path, metadata)
     return path
 
 
@@ -191,11 +254,27 @@ def _check_file(path: Path) -> pq.ParquetFile:
     if SCHEMA_KEY not in meta:
         raise StoreError(f"{path}: not a qevolve trajectory file (no {SCHEMA_KEY.decode()} in its metadata)")
     version = int(meta[SCHEMA_KEY])
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise StoreError(
-            f"{path}: trajectory schema version {version}, but this qevolve reads version {SCHEMA_VERSION}"
+            f"{path}: trajectory schema version {version}, but this qevolve reads version {SCHEMA_VERSION} "
+            f"(and the older {', '.join(str(v) for v in READABLE_VERSIONS if v != SCHEMA_VERSION)})"
         )
     return handle
+
+
+def _read_file(path: Path) -> pa.Table:
+    """One file as a table of the current schema (a version 1 file gains failed=false columns)."""
+    handle = _check_file(path)
+    version = int((handle.schema_arrow.metadata or {})[SCHEMA_KEY])
+    if version == 1:
+        table = handle.read()
+        table = table.append_column("failed", pa.array([False] * table.num_rows, pa.bool_()))
+        table = table.append_column("failure_reason", pa.nulls(table.num_rows, pa.string()))
+        table = table.select(ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+    else:
+        table = pq.read_table(path, schema=ARROW_SCHEMA)
+    check_finite(table, str(path))
+    return table
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -220,10 +299,7 @@ def iter_files(path: str | Path) -> list[Path]:
 
 
 def read_table(path: str | Path) -> pa.Table:
-    tables = []
-    for file in iter_files(path):
-        _check_file(file)
-        tables.append(pq.read_table(file, schema=ARROW_SCHEMA))
+    tables = [_read_file(file) for file in iter_files(path)]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
@@ -254,7 +330,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
         metrics = episode_metrics(eps)
         rows.append({
             "env": env, "split": split, "source": source,
-            "episodes": len(eps), "turns": len(turns),
+            "episodes": len(eps), "failed": sum(ep.failed for ep in eps), "turns": len(turns),
             **{k: metrics[k] for k in ("success_rate", "mean_reward", "mean_turns", "format_error_rate",
                                        "invalid_action_rate")},
             "tokenised": sum(t.action_ids is not None for t in turns) / max(len(turns), 1),

@@ -79,3 +79,5 @@ class CriticConfig(StageConfig):
     checkpoint_every_steps: int = Field(200, ge=1, description="write the resumable training state every N steps "
                                                                "(and at the end of every epoch)")
     seed: int = Field(0, description="seed of head initialisation and batch order")
+    include_failed: bool = Field(False, description="also train on (and label) episodes lost to environment "
+                                 "failures (stored with failed=true); by default they are left out")

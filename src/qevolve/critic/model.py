@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from qevolve.critic.config import DEFAULT_MODEL_NAME, CriticConfig
 from qevolve.critic.data import CriticSample, sample_tensors, token_budget_batches
@@ -238,7 +237,9 @@ def extract_features(backbone: nn.Module, samples: list[CriticSample], batch_tok
     # Length-sorted batches pad least; results are put back in sample order.
     order = sorted(range(len(samples)), key=lambda i: samples[i].longest_segment)
     features: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
-    with tqdm(total=sum(s.num_turns for s in samples), desc=desc, unit="turn", disable=not progress) as bar:
+    from qevolve.progress import progress_bar
+
+    with progress_bar(total=sum(s.num_turns for s in samples), desc=desc, unit="turn", enabled=progress) as bar:
         for batch in token_budget_batches(samples, order, batch_tokens):
             chunk = [samples[i] for i in batch]
             v_feats, q_feats = encode_batch(backbone, chunk, device, dtype)

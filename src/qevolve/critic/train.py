@@ -22,10 +22,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from qevolve.buffer.store import Episode
+from qevolve.buffer.store import Episode, usable_episodes
 from qevolve.config import dump_config
+from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters
+from qevolve.progress import progress_bar, quiet_third_party, use_bars
 from qevolve.critic.checkpoint import atomic_torch_save
 from qevolve.critic.config import CriticConfig
 from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint, token_budget_batches
@@ -49,8 +50,9 @@ def init_path_of(config: CriticConfig) -> Path:
 
 
 def critic_samples(episodes: list[Episode], config: CriticConfig) -> list[CriticSample]:
-    return build_samples(episodes, config.retrospective, config.iql.weighting, config.iql.gamma,
-                         config.max_sequence_tokens)
+    """Samples of the episodes the critic learns from (failed ones only with ``include_failed``)."""
+    return build_samples(usable_episodes(episodes, config.include_failed), config.retrospective,
+                         config.iql.weighting, config.iql.gamma, config.max_sequence_tokens)
 
 
 def explained_variance(predicted: np.ndarray, target: np.ndarray) -> float:
@@ -147,6 +149,7 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     which is how an interruption is simulated. Returns a summary with the per-epoch ``history``.
     """
     log = log or (lambda message: None)
+    quiet_third_party(bars=use_bars(progress))
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)
@@ -200,12 +203,19 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             progress=progress, desc="feature statistics")
         critic.heads.fit_normalizer(torch.cat([torch.cat(pair) for pair in fit_on]))
     iql = config.iql
+
+    def guard(value: torch.Tensor, quantity: str) -> None:
+        """Stop before a non-finite loss or gradient is applied; the last saved state stays as it was."""
+        if not bool(torch.isfinite(value)):
+            check_finite(value, f"critic (epoch {epoch + 1})", global_step + 1, quantity,
+                         state_path if state_path.is_file() else None)
+
     while epoch < config.epochs:
         batches = token_budget_batches(samples, _epoch_order(len(samples), config.seed, epoch), config.batch_tokens)
         if config.backbone != "frozen":
             critic.backbone.train()
-        bar = tqdm(total=len(batches), initial=batch_done, desc=f"critic epoch {epoch + 1}/{config.epochs}",
-                   unit="batch", disable=not progress)
+        bar = progress_bar(total=len(batches), initial=batch_done, desc=f"critic epoch {epoch + 1}/{config.epochs}",
+                           unit="batch", enabled=progress)
         while batch_done < len(batches):
             started = time.perf_counter()
             indices = batches[batch_done]
@@ -216,9 +226,11 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             with torch.no_grad():
                 target_q = critic.target_q_min(q_features.detach())
             losses = iql_losses(values, q_values, target_q, batch, iql.expectile, iql.gamma, iql.truncated_bootstrap)
+            for name in ("loss_v", "loss_q"):
+                guard(losses[name], name)
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip)
+            guard(torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip), "gradient norm")
             optimizer.step()
             critic.update_target(iql.polyak)
 
@@ -231,8 +243,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             acc["seconds"] += time.perf_counter() - started
             batch_done += 1
             global_step += 1
-            bar.update(1)
             bar.set_postfix(loss_v=f"{acc['loss_v'] / acc['batches']:.4f}", loss_q=f"{acc['loss_q'] / acc['batches']:.4f}")
+            bar.update(1)
             if global_step % config.checkpoint_every_steps == 0:
                 save_state()
             if stop_after_steps is not None and global_step >= stop_after_steps:
@@ -248,6 +260,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
         epoch, batch_done, acc = epoch + 1, 0, _new_accumulator()
         save_state()
 
+    check_finite_parameters([*critic.heads.named_parameters(), *critic.target_q.named_parameters()], "critic",
+                            global_step, state_path)  # never a non-finite critic.pt
     atomic_torch_save({
         "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
         "fingerprint": fingerprint, "hidden_size": critic.heads.v[0].in_features,
@@ -276,6 +290,7 @@ def load_critic(folder: str | Path, device: str | None = None) -> Critic:
     if saved["backbone"]:
         critic.backbone.load_state_dict(saved["backbone"], strict=False)
     critic.init_path = saved["init"]  # type: ignore[attr-defined]
+    critic.source = str(path)  # type: ignore[attr-defined]
     return critic.eval()
 
 
@@ -297,8 +312,13 @@ def predict_values(critic: Critic, samples: list[CriticSample], progress: bool =
         features = extract_features(critic.backbone, samples, batch_tokens or config.batch_tokens, device,
                                     critic.compute_dtype, progress=progress)
     results = []
-    for v_features, q_features in features:
+    for sample, (v_features, q_features) in zip(samples, features):
         values = critic.heads.value(v_features.to(device)).double().cpu().numpy()
         q_values = critic.target_q_min(q_features.to(device)).double().cpu().numpy()
+        for name, array in (("V", values), ("Q", q_values)):
+            if not np.isfinite(array).all():
+                turn = int(np.flatnonzero(~np.isfinite(array))[0])
+                raise NonFiniteError(f"critic {getattr(critic, 'source', '')}: non-finite {name} ({array[turn]}) "
+                                     f"for episode {sample.episode_id!r} turn {turn}; refusing to label with it")
         results.append((values, q_values))
     return results

@@ -36,6 +36,9 @@ class Environment(abc.ABC):
     name: str = ""
     #: the instruction/system prompt for an agent in this environment (in this project's own words)
     instruction: str = ""
+    #: the turn format of this environment's demonstrations ("action" or "thought_action"), which
+    #: ``prompt.turn_format: auto`` picks
+    turn_format: str = "action"
 
     @abc.abstractmethod
     def tasks(self, split: str) -> list[str]:

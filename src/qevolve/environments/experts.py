@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tqdm import tqdm
 
 from qevolve.buffer.store import Episode, read_episodes, shard_paths, write_shard
 from qevolve.environments.pool import EnvPool, EpisodeJob
@@ -138,7 +137,9 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
         tmp.replace(done_path)
 
     started = time.perf_counter()
-    bar = tqdm(total=len(todo), desc=f"{env_name} experts", unit="ep", disable=not progress)
+    from qevolve.progress import progress_bar
+
+    bar = progress_bar(total=len(todo), desc=f"{env_name} experts", unit="ep", enabled=progress)
     extra_attempts: collections.Counter = collections.Counter()
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
         round_jobs = todo
@@ -165,8 +166,8 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
                 else:
                     report.dropped[reason] += 1
                 pending_attempts[task_id] = reason
-                bar.update(1)
                 bar.set_postfix(kept=report.kept, dropped=sum(report.dropped.values()), retried=report.retried)
+                bar.update(1)
                 if len(buffer) >= shard_size:
                     flush()
             round_jobs = retry_jobs

@@ -6,12 +6,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tqdm import tqdm
 
 from qevolve.buffer.store import Episode
 from qevolve.environments.base import get_factory, make_environment
 from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy
 from qevolve.environments.policies import RandomPolicy, WalkthroughPolicy
+from qevolve.progress import progress_bar
 
 
 def list_tasks(env_name: str, split: str, limit: int | None = None, **env_kwargs: Any) -> list[str]:
@@ -51,8 +51,8 @@ def scripted_jobs(env_name: str, split: str, policy: str, limit: int | None = No
 
 @dataclass
 class PlayResult:
-    episodes: list[Episode]
-    failures: list[tuple[str, str]]
+    episodes: list[Episode]  # every episode, failed ones included (``failed``, ``failure_reason``)
+    failures: list[tuple[str, str]]  # (task id, reason) of the failed ones
     metrics: dict[str, Any]
 
 
@@ -65,26 +65,28 @@ def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: in
     failures: list[tuple[str, str]] = []
     steps = 0
     started = time.perf_counter()
-    bar = tqdm(total=len(jobs), desc=f"{env_name}/{split}", unit="ep", disable=not progress)
+    bar = progress_bar(total=len(jobs), desc=f"{env_name}/{split}", unit="ep", enabled=progress)
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
         for outcome in pool.run_episodes(jobs):
             steps += outcome.steps
             if outcome.failed:
                 failures.append((outcome.job.task_id, outcome.error or "failed"))
+                episodes.append(outcome.failed_episode(env_name))
             else:
                 episodes.append(outcome.episode)
-            bar.update(1)
             won = sum(ep.won for ep in episodes)
-            bar.set_postfix(won=f"{won}/{len(episodes) + len(failures)}")
+            bar.set_postfix(won=f"{won}/{len(episodes)}")
+            bar.update(1)
     bar.close()
     seconds = time.perf_counter() - started
-    n = len(episodes) + len(failures)
+    n = len(episodes)
+    played = [ep for ep in episodes if not ep.failed]
     metrics = {
         "env": env_name, "split": split, "episodes": n,
         "won": sum(ep.won for ep in episodes),
         "success_rate": sum(ep.won for ep in episodes) / n if n else 0.0,
         "mean_reward": sum(ep.score for ep in episodes) / n if n else 0.0,
-        "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
+        "mean_turns": sum(ep.num_turns for ep in played) / max(len(played), 1),
         "failed": len(failures),
         "env_steps": steps,
         "seconds": round(seconds, 1),

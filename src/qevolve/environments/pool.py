@@ -77,6 +77,15 @@ class EpisodeOutcome:
     def failed(self) -> bool:
         return self.episode is None
 
+    def failed_episode(self, env_name: str) -> Episode:
+        """The record of a failed episode for the trajectory store: no turns, ``failed`` and the reason.
+
+        (The turns played inside the lost worker are gone with it.)"""
+        job = self.job
+        return Episode(episode_id=job.episode_id or f"{env_name}/{job.split}/{job.task_id}", task_id=job.task_id,
+                       env=env_name, split=job.split, source=job.policy.source, failed=True,
+                       failure_reason=self.error or "failed", meta={"seconds": self.seconds})
+
 
 def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None) -> Episode:
     """Play one episode of ``job`` with its worker-side policy and record it."""

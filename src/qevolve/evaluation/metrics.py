@@ -10,10 +10,13 @@ from qevolve.buffer.store import Episode
 def episode_metrics(episodes: Iterable[Episode], failed: int = 0) -> dict[str, Any]:
     """Success rate, mean final reward, mean turns, format-error and invalid-action rates.
 
-    ``failed`` counts episodes lost to environment failures (worker crash, timeout): they count as
-    unsuccessful episodes with reward 0 in the rates, never silently dropped.
+    Episodes lost to environment failures (worker crash, timeout) count as unsuccessful episodes
+    with reward 0 in the rates, never silently dropped: those stored with ``failed = True``, plus
+    ``failed`` more that are not in ``episodes``. The turn rates are over the episodes that did not fail.
     """
     episodes = list(episodes)
+    failed += sum(ep.failed for ep in episodes)
+    episodes = [ep for ep in episodes if not ep.failed]
     n = len(episodes) + failed
     turns = [turn for ep in episodes for turn in ep.turns]
     n_turns = max(len(turns), 1)

@@ -26,9 +26,8 @@ from typing import Any, Callable
 
 import torch
 from pydantic import Field
-from tqdm import tqdm
 
-from qevolve.buffer.store import Episode, read_episodes
+from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.config import StageConfig
 from qevolve.environments.turn_format import parse_turn
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches, sequences_from_episodes
@@ -36,6 +35,7 @@ from qevolve.policy.forward import target_nll
 from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import RESUME_FREE, ScalarWriter, Trainer, TrainingConfig, latest_checkpoint
+from qevolve.progress import progress_bar, quiet_third_party, use_bars
 
 __all__ = ["BCDataConfig", "BCConfig", "BCResult", "run_bc", "evaluate_nll", "load_buffer", "prepare_sequences",
            "latest_checkpoint"]
@@ -51,6 +51,8 @@ class BCDataConfig(StageConfig):
                                            "random subset; null: all)")
     only_won: bool = Field(True, description="keep only successful episodes")
     task_types: list[str] | None = Field(None, description="clone only episodes of these task types (null: all)")
+    include_failed: bool = Field(False, description="also clone the turns of episodes lost to environment "
+                                 "failures (stored with failed=true); by default they are left out")
     eval_path: str | None = Field(None, description="held-out trajectory store for the agent-token loss "
                                   "(e.g. unseen-task walkthroughs); null: hold out eval_holdout train episodes")
     num_eval: int | None = Field(None, ge=1, description="use only this many held-out episodes (null: all)")
@@ -101,8 +103,8 @@ class BCResult:
 # Data
 
 
-def load_buffer(path: str | Path, only_won: bool = True) -> list[Episode]:
-    episodes = read_episodes(Path(path).expanduser())
+def load_buffer(path: str | Path, only_won: bool = True, include_failed: bool = False) -> list[Episode]:
+    episodes = usable_episodes(read_episodes(Path(path).expanduser()), include_failed)
     if only_won:
         episodes = [ep for ep in episodes if ep.won]
     return sorted(episodes, key=lambda ep: ep.episode_id)
@@ -120,8 +122,9 @@ def _check_turn_format(episodes: list[Episode], turn_format: str, source: str) -
         for t, turn in enumerate(ep.turns):
             if turn.action_ids is None and not parse_turn(turn.agent_text, turn_format).format_valid:
                 raise ValueError(f"{source}: episode {ep.episode_id!r} turn {t} is not in prompt.turn_format "
-                                 f"{turn_format!r} ({turn.agent_text[:60]!r}); expert demonstrations without "
-                                 f"thoughts need turn_format=action")
+                                 f"{turn_format!r} ({turn.agent_text[:60]!r}); set prompt.turn_format to the "
+                                 f"demonstrations' format (action for turns without thoughts; auto picks the "
+                                 f"environment's)")
 
 
 def prepare_sequences(episodes: list[Episode], builder: PromptBuilder, max_length: int | None = None,
@@ -154,7 +157,7 @@ def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None)
     if not train_path.exists():
         raise FileNotFoundError(f"data.train_path {train_path}: not found (build the expert set with "
                                 f"`qevolve data expert {data.env}`)")
-    episodes = load_buffer(train_path, data.only_won)
+    episodes = load_buffer(train_path, data.only_won, data.include_failed)
     if data.task_types is not None:
         from qevolve.environments.experts import filter_task_types
 
@@ -163,7 +166,7 @@ def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None)
         episodes = [ep for ep in episodes if ep.task_id in keep]
     eval_episodes: list[Episode] = []
     if data.eval_path:
-        eval_episodes = _subset(load_buffer(data.eval_path, data.only_won), data.num_eval, config.seed)
+        eval_episodes = _subset(load_buffer(data.eval_path, data.only_won, data.include_failed), data.num_eval, config.seed)
     elif data.eval_holdout:
         rng = random.Random(f"holdout/{config.seed}")
         held = set(rng.sample(range(len(episodes)), min(data.eval_holdout, max(len(episodes) - 1, 0))))
@@ -212,6 +215,7 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     """Train the policy by behaviour cloning; resumable; returns losses and held-out evaluations."""
     started = time.perf_counter()
     trainer = Trainer(config, _BC_RESUME_FREE)  # seeds, and refuses a mismatched checkpoint early
+    quiet_third_party(bars=use_bars(config.progress))
     policy = load_policy(config.model, trainable=True)
     model = policy.model
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.data.env)
@@ -245,7 +249,7 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     compute_seconds = 0.0
     interrupted = False
     step = start_step
-    bar = tqdm(total=total_steps, initial=start_step, desc="bc", unit="step", disable=not config.progress)
+    bar = progress_bar(total=total_steps, initial=start_step, desc="bc", unit="step", enabled=config.progress)
     model.train()
     while step < total_steps:
         if trainer.should_stop(step):
@@ -264,15 +268,15 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
             step_nll += float(nll.detach())
             step_correct += int(correct)
             step_tokens += batch.num_tokens
-        grad_norm = trainer.optimizer_step()
+        loss = trainer.check_finite(step_nll / step_targets, "bc", step + 1, "loss")
+        grad_norm = trainer.optimizer_step("bc", step + 1)
         step += 1
         seconds = time.perf_counter() - t0
         compute_seconds += seconds
         tokens_done += step_tokens
-        loss = step_nll / step_targets
         losses.append(loss)
-        bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / seconds:.0f}")
+        bar.update(1)
         if step % config.log_every == 0:
             values = {"train/loss": loss, "train/agent_accuracy": step_correct / step_targets,
                       "train/lr": trainer.scheduler.get_last_lr()[0], "train/tokens_per_second": step_tokens / seconds,
@@ -296,6 +300,7 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
             log(f"bc: held-out agent-token NLL after training {eval_after['agent_nll']:.4f} "
                 f"(accuracy {eval_after['agent_accuracy']:.3f})")
         if config.save_final:
+            trainer.check_parameters("bc", step)  # never a non-finite final model
             final_dir = policy.save(output_dir / "final", {"bc_steps": step})
     writer.close()
     result = BCResult(step, total_steps, start_step, interrupted, len(data.train), train_tokens, train_targets,

@@ -31,9 +31,8 @@ from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field
-from tqdm import tqdm
 
-from qevolve.buffer.store import Episode, read_episodes
+from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
@@ -41,6 +40,7 @@ from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.objectives import PAIR_OBJECTIVES, ObjectiveConfig, compute_objective
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
+from qevolve.progress import progress_bar, quiet_third_party, use_bars
 
 __all__ = ["PolicyStageConfig", "PolicyResult", "run_policy_update", "sequence_logprobs"]
 
@@ -63,6 +63,8 @@ class PolicyStageConfig(TrainingConfig):
         "batch", description="standardise advantages over the buffer's turns, per micro-batch's tokens, or not")
     only_sources: list[str] | None = Field(None, description="train only on turns of these sources "
                                            "(null: every turn of the buffer, expert and self)")
+    include_failed: bool = Field(False, description="also train on episodes lost to environment failures "
+                                 "(stored with failed=true); by default they are left out")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5),
                                description="optimizer and schedule")
     output_dir: str = Field("runs/policy", description="checkpoints, TensorBoard logs and the final policy")
@@ -95,7 +97,7 @@ def sequence_logprobs(policy: Policy, sequences: list[TrainSequence], tokens_per
     pad_id = policy.tokenizer.pad_token_id or 0
     out: list[torch.Tensor | None] = [None] * len(sequences)
     groups = plan_batches(sequences, tokens_per_batch, mode, seed=0, shuffle=False)
-    for group in tqdm(groups, desc=desc, unit="batch", disable=not progress):
+    for group in progress_bar(groups, desc=desc, unit="batch", enabled=progress):
         batch = collate(sequences, group, mode, pad_id).to(policy.device)
         with policy.autocast():
             logp = target_logprobs(policy.model, batch).float().cpu()
@@ -136,9 +138,10 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     if not config.buffer_path:
         raise ValueError("buffer_path: a labelled trajectory store is required")
     trainer = Trainer(config)  # seeds, and refuses a mismatched checkpoint early
+    quiet_third_party(bars=use_bars(config.progress))
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
-    episodes = read_episodes(Path(config.buffer_path).expanduser())
+    episodes = usable_episodes(read_episodes(Path(config.buffer_path).expanduser()), config.include_failed)
     if config.only_sources is not None:
         episodes = [ep for ep in episodes if ep.source in set(config.only_sources)]
     if not episodes:
@@ -191,8 +194,8 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     step = start_step
     model = policy.model
     model.train()
-    bar = tqdm(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
-               disable=not config.progress)
+    bar = progress_bar(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
+                       enabled=config.progress)
     while step < total_steps:
         if trainer.should_stop(step):
             interrupted = True
@@ -210,19 +213,20 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
             device = logp.device
             out = compute_objective(config.objective, logp, old.to(device), ref.to(device), adv.to(device),
                                     torch.ones_like(logp))
+            trainer.check_finite(out.loss, f"policy/{config.objective.name}", step + 1, "loss")
             share = batch.num_targets / step_targets
             # the objective averages over this micro-batch's tokens: weight it by its share of the step's
             (out.loss * share).backward()
             for key, value in out.stats.items():
                 step_stats[key] = step_stats.get(key, 0.0) + value * share
-        grad_norm = trainer.optimizer_step()
+        grad_norm = trainer.optimizer_step(f"policy/{config.objective.name}", step + 1)
         if grad_norm is not None:
             step_stats["grad_norm"] = grad_norm
         step += 1
         step_stats["tokens_per_second"] = sum(b[0].num_tokens for b in batches) / (time.perf_counter() - t0)
         stats_log.append(step_stats)
-        bar.update(1)
         bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
+        bar.update(1)
         if step % config.log_every == 0:
             writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
         trainer.maybe_save(step, {"old_logprobs": old_logp, "ref_logprobs": ref_logp})
@@ -231,6 +235,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     final_dir = None
     output_dir = trainer.output_dir
     if not interrupted and config.save_final:
+        trainer.check_parameters(f"policy/{config.objective.name}", step)  # never a non-finite final model
         final_dir = policy.save(output_dir / "final", {"policy_steps": step, "objective": config.objective.name})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
                           time.perf_counter() - started, final_dir, stats_log)

@@ -33,15 +33,14 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
-
-from qevolve.buffer.store import Episode, read_episodes
+from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.policy.batching import collate
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
 from qevolve.policy.model import load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder
 from qevolve.policy.trainer import ScalarWriter, Trainer
+from qevolve.progress import progress_bar
 
 __all__ = ["build_preference_pairs", "dpo_loss", "run_dpo"]
 
@@ -101,7 +100,7 @@ def run_dpo(config, log: Callable[[str], None] = print):
     trainer = Trainer(config)
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
-    episodes = read_episodes(Path(config.buffer_path).expanduser())
+    episodes = usable_episodes(read_episodes(Path(config.buffer_path).expanduser()), config.include_failed)
     if config.only_sources is not None:
         episodes = [ep for ep in episodes if ep.source in set(config.only_sources)]
     pairs = build_preference_pairs(episodes, objective.dpo_min_score_gap, objective.dpo_max_pairs_per_task)
@@ -144,7 +143,7 @@ def run_dpo(config, log: Callable[[str], None] = print):
     step = start_step
     model = policy.model
     model.train()
-    bar = tqdm(total=total_steps, initial=start_step, desc="policy/dpo", unit="step", disable=not progress)
+    bar = progress_bar(total=total_steps, initial=start_step, desc="policy/dpo", unit="step", enabled=progress)
     while step < total_steps:
         if trainer.should_stop(step):
             interrupted = True
@@ -178,6 +177,7 @@ def run_dpo(config, log: Callable[[str], None] = print):
             loss = losses.sum() / step_pairs  # the mean over the step's pairs
             if objective.dpo_sft_coef > 0:
                 loss = loss + objective.dpo_sft_coef * torch.stack(nll_c).sum() / step_pairs
+            trainer.check_finite(loss, "policy/dpo", step + 1, "loss")
             loss.backward()
             share = len(group) / step_pairs
             for key, value in (("loss", float(loss.detach()) / share), ("dpo_loss", float(losses.mean().detach())),
@@ -188,14 +188,14 @@ def run_dpo(config, log: Callable[[str], None] = print):
                                ("rejected_logratio", float((torch.stack(rejected).detach().cpu()
                                                             - torch.tensor(ref_r)).mean()))):
                 step_stats[key] = step_stats.get(key, 0.0) + value * share
-        grad_norm = trainer.optimizer_step()
+        grad_norm = trainer.optimizer_step("policy/dpo", step + 1)
         if grad_norm is not None:
             step_stats["grad_norm"] = grad_norm
         step += 1
         step_stats["tokens_per_second"] = tokens / (time.perf_counter() - t0)
         stats_log.append(step_stats)
-        bar.update(1)
         bar.set_postfix(loss=f"{step_stats['loss']:.4f}", acc=f"{step_stats['reward_accuracy']:.2f}")
+        bar.update(1)
         if step % config.log_every == 0:
             writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
         trainer.maybe_save(step, {"ref_logprobs": ref_logp})
@@ -203,6 +203,7 @@ def run_dpo(config, log: Callable[[str], None] = print):
     writer.close()
     final_dir = None
     if not interrupted and config.save_final:
+        trainer.check_parameters("policy/dpo", step)  # never a non-finite final model
         final_dir = policy.save(trainer.output_dir / "final", {"policy_steps": step, "objective": "dpo"})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), sum(s.num_targets for s in sequences),
                           time.perf_counter() - started, final_dir, stats_log)

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from typing import Literal
+
 from pydantic import Field
 
 from qevolve.buffer.store import Episode, Turn
@@ -87,8 +89,11 @@ _SYSTEM, _USER, _AGENT, _OBS, _AGENT2, _OBS2 = "\ue000", "\ue001", "\ue002", "\u
 class PromptConfig(StageConfig):
     """How conversations become prompts (shared by behaviour cloning, rollouts and the critic)."""
 
-    turn_format: TurnFormat = Field("action", description="agent turn format: action ('Action: ...') or "
-                                    "thought_action ('Thought: ...' then 'Action: ...')")
+    turn_format: Literal["auto", "action", "thought_action"] = Field(
+        "auto", description="agent turn format: action ('Action: ...'), thought_action ('Thought: ...' then "
+                            "'Action: ...'), or auto: the format of the environment's demonstrations (ALFWorld "
+                            "action; WebShop and ScienceWorld thought_action; an environment class's "
+                            "`turn_format` attribute, action when it has none)")
     format_instructions: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_FORMAT_INSTRUCTIONS),
         description="the line appended to the instruction for each turn format")
@@ -116,6 +121,24 @@ class PromptConfig(StageConfig):
 
 # ---------------------------------------------------------------------------------------------
 # Instruction and examples
+
+
+def environment_turn_format(env_name: str) -> TurnFormat:
+    """The turn format of a registered environment's demonstrations (its class's ``turn_format``)."""
+    from qevolve.environments.base import get_factory
+
+    value = getattr(get_factory(env_name), "turn_format", None) or "action"
+    if value not in ("action", "thought_action"):
+        raise ValueError(f"environment {env_name!r}: turn_format {value!r}, expected action or thought_action")
+    return value
+
+
+def resolve_turn_format(config: PromptConfig, env_name: str | None) -> PromptConfig:
+    """``config`` with ``turn_format: auto`` replaced by the environment's (action without an environment)."""
+    if config.turn_format != "auto":
+        return config
+    resolved = environment_turn_format(env_name) if env_name else "action"
+    return config.model_copy(update={"turn_format": resolved})
 
 
 def environment_instruction(env_name: str) -> str:
@@ -171,7 +194,7 @@ class PromptFormatter:
 
     def __init__(self, tokenizer: Any, config: PromptConfig | None = None):
         self.tokenizer = tokenizer
-        self.config = config or PromptConfig()
+        self.config = resolve_turn_format(config or PromptConfig(), None)
         self.chat_template = self.config.chat_template
         if self.chat_template == "chatml":
             self.chat_template = CHATML_TEMPLATE
@@ -399,7 +422,9 @@ class PromptBuilder:
     """Prompt building for one environment and tokeniser: conversations for acting, stored episodes."""
 
     def __init__(self, tokenizer: Any, config: PromptConfig, instruction: str,
-                 example_pool: Sequence[Episode] = (), task_group: Callable[[str], str] | None = None):
+                 example_pool: Sequence[Episode] = (), task_group: Callable[[str], str] | None = None,
+                 env_name: str | None = None):
+        config = resolve_turn_format(config, env_name)  # auto: the environment's turn format
         self.formatter = PromptFormatter(tokenizer, config)
         self.config = config
         self.instruction = config.instruction or instruction
@@ -425,7 +450,7 @@ class PromptBuilder:
                 group = expert_task_type(env_name)
             except KeyError:
                 group = None
-        return cls(tokenizer, config, instruction, pool, group)
+        return cls(tokenizer, config, instruction, pool, group, env_name=env_name)
 
     def examples_for(self, task_id: str) -> list[Episode]:
         return select_examples(self.example_pool, task_id, self.config.num_examples, self.config.example_seed,
@@ -468,7 +493,7 @@ def tokenize_episode(episode: Episode, tokenizer: Any, prompt_config: PromptConf
     if builder is None:
         config = prompt_config or PromptConfig()
         builder = PromptBuilder(tokenizer, config, instruction or config.instruction
-                                or environment_instruction(episode.env))
+                                or environment_instruction(episode.env), env_name=episode.env)
     return builder.tokenize(episode)
 
 

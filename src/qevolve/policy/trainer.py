@@ -30,6 +30,7 @@ import torch
 from pydantic import Field
 
 from qevolve.config import StageConfig
+from qevolve.finite import check_finite, check_finite_parameters
 from qevolve.policy.batching import BatchMode, TrainSequence, plan_batches
 from qevolve.policy.model import Policy, unwrap_model
 
@@ -251,20 +252,39 @@ class Trainer:
         limit = self.config.stop_after_steps
         return limit is not None and step - self.start_step >= limit
 
-    def optimizer_step(self) -> float | None:
-        """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm."""
-        grad_norm = None
-        if self.config.optim.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.config.optim.max_grad_norm))
+    def optimizer_step(self, stage: str = "training", step: int | None = None) -> float | None:
+        """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm.
+
+        A NaN or infinite gradient norm (or loss, which makes one) raises
+        :class:`qevolve.finite.NonFiniteError` naming ``stage`` and ``step`` before anything is applied."""
+        max_norm = self.config.optim.max_grad_norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm is not None
+                                                         else math.inf))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.check_finite(grad_norm, stage, step, "gradient norm")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm if max_norm is not None else None
+
+    def check_finite(self, value: Any, stage: str, step: int | None, quantity: str) -> float:
+        """``value`` as a float, or NonFiniteError naming the stage, step, quantity and last good checkpoint."""
+        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if math.isfinite(number):
+            return number
+        return check_finite(number, stage, step, quantity, latest_checkpoint(self.output_dir))  # raises
+
+    def check_parameters(self, stage: str, step: int | None) -> None:
+        """NonFiniteError if a trainable parameter holds NaN or infinity (before any save)."""
+        named = [(n, p) for n, p in self.policy.model.named_parameters() if p.requires_grad]
+        check_finite_parameters(named, stage, step, latest_checkpoint(self.output_dir))
 
     def maybe_save(self, step: int, extra_state: dict[str, Any]) -> Path | None:
         """Checkpoint after optimizer step ``step`` when it is due (every ``save_every`` and the last)."""
         if step % self.config.save_every and step != self.total_steps:
             return None
+        self.check_parameters("checkpoint", step)
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                  "fingerprint": self.fingerprint, **extra_state}

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 from pydantic import Field, field_validator
 
-from qevolve.buffer.store import Episode
+from qevolve.buffer.store import Episode, usable_episodes
 from qevolve.config import StageConfig
+from qevolve.finite import NonFiniteError
 from qevolve.process_rewards.advantages import (TrajectoryValues, advantage_estimators, get_advantage_estimator,
                                                 standardize)
 
@@ -54,10 +55,17 @@ def advantages_from_values(trajectories: list[TrajectoryValues], estimator: str,
 
 def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
                    progress: bool = True) -> tuple[list[Episode], dict[str, Any]]:
-    """Set ``r_aux``, ``value``, ``q_value`` and ``advantage`` on every turn (in place); return a summary."""
+    """Set ``r_aux``, ``value``, ``q_value`` and ``advantage`` on every turn (in place); return a summary.
+
+    Episodes the critic leaves out (failed ones, unless its ``include_failed``) pass through
+    unlabelled. A critic whose V or Q is NaN or infinite is refused (``NonFiniteError``)."""
     from qevolve.critic.train import critic_samples, predict_values
 
+    all_episodes = episodes
     critic_config = critic.config
+    episodes = usable_episodes(episodes, critic_config.include_failed)
+    if not episodes:
+        raise ValueError("label: the buffer holds no episodes the critic can label")
     gamma = critic_config.iql.gamma if config.gamma is None else config.gamma
     bootstrap = config.truncated_bootstrap or critic_config.iql.truncated_bootstrap
     samples = critic_samples(episodes, critic_config)
@@ -73,6 +81,11 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
             bootstrap_value=float(values[-1]) if bootstrap == "last_value" else 0.0,
         ))
     advantages = advantages_from_values(trajectories, config.estimator, gamma, config.gae_lambda, config.standardize)
+    for episode, adv in zip(episodes, advantages):
+        if not np.isfinite(adv).all():
+            t = int(np.flatnonzero(~np.isfinite(adv))[0])
+            raise NonFiniteError(f"label: non-finite advantage ({adv[t]}) for episode {episode.episode_id!r} "
+                                 f"turn {t} (estimator {config.estimator})")
 
     for episode, traj, adv in zip(episodes, trajectories, advantages):
         for t, turn in enumerate(episode.turns):
@@ -93,6 +106,7 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
 
     summary = {
         "episodes": len(episodes),
+        "unlabelled_failed": len(all_episodes) - len(episodes),
         "turns": int(flat_adv.size),
         "estimator": config.estimator,
         "gamma": gamma,
@@ -109,4 +123,4 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         "advantage_mean_lost": turn_mean(advantages, False),
         "r_aux_nonzero": float(np.mean(np.concatenate([t.aux_rewards for t in trajectories]) != 0)),
     }
-    return episodes, summary
+    return all_episodes, summary

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from pydantic import Field
-from tqdm import tqdm
 
 from qevolve.buffer.store import Episode, Turn
 from qevolve.config import StageConfig
 from qevolve.environments.pool import EnvPool
 from qevolve.environments.turn_format import parse_turn
+from qevolve.progress import progress_bar
 from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, SamplingParams
 
 
@@ -79,7 +79,7 @@ class _Live:
 
 @dataclass
 class RolloutResult:
-    episodes: list[Episode]
+    episodes: list[Episode]  # every episode, failed ones included (``failed``, ``failure_reason``)
     failed: list[tuple[str, str]]  # (episode id, reason) of episodes lost to environment failures
     seconds: float
     generation_seconds: float
@@ -103,22 +103,22 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
     gen_seconds = env_seconds = 0.0
     tokens = 0
     step = 0
-    bar = tqdm(total=len(jobs), desc=f"{env_name}/{split} agent", unit="ep", disable=not progress)
+    bar = progress_bar(total=len(jobs), desc=f"{env_name}/{split} agent", unit="ep", enabled=progress)
 
     def finish(slot: int, final_observation: str, reason: str | None = None) -> None:
         state = live.pop(slot)
         backend.release([state.episode.episode_id])
         free_slots.append(slot)
-        if reason is not None:
+        if reason is not None:  # recorded with the turns played so far, never dropped
             failed.append((state.episode.episode_id, reason))
-        else:
-            state.episode.final_observation = final_observation
-            finished.append(state.episode)
-            if on_episode:
-                on_episode(state.episode)
-        bar.update(1)
+            state.episode.failed, state.episode.failure_reason = True, reason
+        state.episode.final_observation = final_observation
+        finished.append(state.episode)
+        if on_episode:
+            on_episode(state.episode)
         won = sum(ep.won for ep in finished)
-        bar.set_postfix(won=f"{won}/{len(finished) + len(failed)}", tok_s=f"{tokens / max(gen_seconds, 1e-9):.0f}")
+        bar.set_postfix(won=f"{won}/{len(finished)}", tok_s=f"{tokens / max(gen_seconds, 1e-9):.0f}")
+        bar.update(1)
 
     with EnvPool(env_name, env_kwargs, num_workers=config.num_workers, step_timeout=config.step_timeout) as pool:
         while queue or live:
@@ -201,7 +201,9 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
                     turn.action_valid = False
                 else:
                     result = results[slot]
-                    if result.info.get("failed"):
+                    if result.info.get("failed"):  # the turn is kept: what the agent did when the env failed
+                        turn.done, turn.info["env_failed"] = True, True
+                        state.episode.turns.append(turn)
                         finish(slot, "", result.info.get("error", "environment failure"))
                         continue
                     observation, reward, done = result.observation, float(result.reward), bool(result.done)

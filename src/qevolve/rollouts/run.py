@@ -1,7 +1,9 @@
 """``qevolve rollout`` and ``qevolve eval``: load a checkpoint, act on a split, write trajectories.
 
 Both write a sharded trajectory folder as episodes finish, so a killed run resumes where it
-stopped (episodes already in the shards are skipped). ``eval`` also writes ``metrics.json``.
+stopped (episodes already in the shards are skipped). Episodes lost to an environment failure are
+written too, with ``failed`` and ``failure_reason`` (they count as lost in the metrics, and a
+resumed run does not replay them). ``eval`` also writes ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from qevolve.evaluation.metrics import episode_metrics
 from qevolve.evolve.run_dir import package_versions, write_json_atomic
 from qevolve.policy.model import ModelConfig, load_policy
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
+from qevolve.progress import quiet_third_party, use_bars
 from qevolve.rollouts.agent import AgentConfig, expand_jobs, run_agent
 from qevolve.rollouts.generation import HFGenerationBackend
 
@@ -73,6 +76,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
     jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
             if job[0] not in done_ids]
     if policy is None:
+        quiet_third_party(bars=use_bars(progress))
         policy = load_policy(config.model.for_acting(), trainable=False)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     autocast = None
@@ -116,8 +120,8 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
     result = run_agent(config.env, config.split, jobs, backend, builder, policy.tokenizer, config.agent,
                        source=config.source, progress=progress, on_episode=on_episode)
     flush()
-    episodes = read_episodes(output) if shard_paths(output) else []
-    metrics = episode_metrics(episodes, failed=len(result.failed))
+    episodes = read_episodes(output) if shard_paths(output) else []  # failed ones too, marked failed
+    metrics = episode_metrics(episodes)
     metrics.update({
         "env": config.env, "split": config.split, "wall_seconds": round(result.seconds, 1),
         "generation_seconds": round(result.generation_seconds, 1), "env_seconds": round(result.env_seconds, 1),

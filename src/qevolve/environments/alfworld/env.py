@@ -107,6 +107,7 @@ class AlfWorldEnv(Environment):
     """ALFWorld text games. ``split`` picks where task ids are looked up (``train`` by default)."""
 
     name = "alfworld"
+    turn_format = "action"  # the expert demonstrations have no thoughts
     instruction = ALFWORLD_INSTRUCTION
 
     def __init__(self, split: str = "train", data_root: str | Path | None = None,

@@ -98,6 +98,7 @@ class SciWorldEnv(Environment):
     """ScienceWorld text tasks; task ids ``"<task_name>/<variation>"`` (see :mod:`.tasks`)."""
 
     name = "sciworld"
+    turn_format = "action"  # the gold-path demonstrations (experts.py replay) are Action:-only turns
     instruction = SCIWORLD_INSTRUCTION
 
     def __init__(self, **settings: Any):

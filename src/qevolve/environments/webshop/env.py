@@ -73,6 +73,7 @@ class WebShopEnv(Environment):
     """
 
     name = "webshop"
+    turn_format = "thought_action"  # the oracle's demonstrations are Thought:/Action: turns
     instruction = WEBSHOP_INSTRUCTION
 
     def __init__(self, split: str = "train", data_root: str | Path | None = None, max_turns: int = DEFAULT_MAX_TURNS,
