@@ -5,15 +5,18 @@ policy a language model learns to imitate must decide from its observations alon
 reads only the instruction, the results page (product codes, titles, prices) and the clickable
 texts of the item page; it never looks at the goal's target product or its hidden attributes:
 
-1. **Search** the request: the instruction without its option and price clauses (these are parsed
-   from the text: ``... with color: black, and size: large, and price lower than 40.00 dollars``).
-2. **Choose a result** among the ten shown: the product whose title covers the most of the
-   request's (analysed) words, among those whose lowest price is within the ceiling; ties go to the
-   better-ranked one. When no result on the page is within the price, it pages on (``Next >``).
+1. **Search** the request: the instruction without its price clause, the option clause reduced to
+   the option values (the text is parsed:
+   ``... with color: black, and size: large, and price lower than 40.00 dollars``).
+2. **Choose a result** among the ten shown: the best-ranked one whose shown (lowest) price is
+   within the ceiling and that it has not opened yet. When no result on the page is within the
+   price, it pages on (``Next >``) if the turn limit allows. (Preferring the title that covers
+   the most of the request's words did worse: the synthetic instructions rarely use the title's
+   words; see docs/webshop.md.)
 3. **Open** it and **choose the options the instruction names** (exactly when the value is
    offered, else the closest offered value of at least ``MIN_OPTION_SCORE`` fuzzy match). When a
    named value is not offered at all and the turn limit still allows, it goes back (``< Prev``)
-   and tries the next-best result (at most ``max_alternatives`` times).
+   and opens the next result instead (at most ``max_alternatives`` times).
 4. **Buy.**
 
 Its success is below 1.0: that is the honest ceiling of an imitable expert (docs/webshop.md has
@@ -26,13 +29,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable, Literal
 
-from qevolve.environments.pool import EpisodePolicy
+from pydantic import Field
+
+from qevolve.buffer.store import Episode
+from qevolve.config import StageConfig, build_config
+from qevolve.environments.pool import EpisodeJob, EpisodePolicy
 from qevolve.environments.turn_format import TURN_FORMATS, format_turn
 from qevolve.environments.webshop.env import (BACK_TO_SEARCH, BUY_NOW, NEXT_PAGE, PREV_PAGE, RESULTS_PER_PAGE, SEP,
                                               SUB_PAGES, WebShopEnv)
 from qevolve.environments.webshop.reward import fuzzy_score
-from qevolve.environments.webshop.search import analyze
 
 MIN_OPTION_SCORE = 60  # fuzzy score an offered value needs to stand in for a named value that is not offered
 DEFAULT_MAX_ALTERNATIVES = 2  # other results tried when the opened one lacks a named option value
@@ -86,7 +93,13 @@ def _wanted_item(item: str) -> str:
 
 def _short(text: str, words: int = 8) -> str:
     parts = text.split()
-    return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
+    if len(parts) <= words:
+        return text.strip()
+    return " ".join(parts[:words]).rstrip(",;:.") + " ..."
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "...")) else text + "."
 
 
 @dataclass(frozen=True)
@@ -118,17 +131,14 @@ def parse_results(observation: str, clickables: list[str]) -> tuple[list[Listing
     return [Listing(x.asin, x.title, x.low_price, offset + k) for k, x in enumerate(listings)], page
 
 
-def title_coverage(request_terms: set[str], title: str) -> float:
-    """Share of the request's analysed terms that the title has."""
-    if not request_terms:
-        return 0.0
-    return len(request_terms & set(analyze(title))) / len(request_terms)
+def search_query(request: Request) -> str:
+    """The search: the wanted item and the option values the request names (all lower-cased)."""
+    return " ".join([request.item, *(value for _, value in request.options)]).lower()
 
 
 @dataclass
 class _Episode:
     request: Request
-    request_terms: set[str]
     tried: set[str] = field(default_factory=set)
     pending: list[tuple[str, str]] = field(default_factory=list)  # (action, thought) queued on an item page
     turns: int = 0
@@ -153,8 +163,7 @@ class ObservableExpertPolicy(EpisodePolicy):
     def start(self, env: WebShopEnv, task_id: str, observation: str) -> None:
         instruction = _instruction_of(observation)
         request = parse_request(instruction)
-        self._state = _Episode(request, set(analyze(_wanted_item(request.item))),
-                               alternatives_left=self.max_alternatives)
+        self._state = _Episode(request, alternatives_left=self.max_alternatives)
 
     def act(self, env: WebShopEnv, observation: str) -> str | None:
         state = self._state
@@ -173,8 +182,8 @@ class ObservableExpertPolicy(EpisodePolicy):
         page = env.session.page
         request = state.request
         if page == "search":
-            return (f"search[{request.item.lower()}]",
-                    f"I need {_short(_wanted_item(request.item))}. Let me search for it.")
+            return (f"search[{search_query(request)}]",
+                    _sentence(f"Let me search for {_short(_wanted_item(request.item))}"))
         if page == "results":
             return self._on_results(env, observation, state)
         if page == "item":
@@ -199,32 +208,30 @@ class ObservableExpertPolicy(EpisodePolicy):
         pool = affordable or fresh or listings
         if not pool:
             return f"click[{BACK_TO_SEARCH}]", "There are no results. Let me search again."
-        best = max(pool, key=lambda x: (title_coverage(state.request_terms, x.title), -x.rank))
+        best = min(pool, key=lambda x: x.rank)
         state.tried.add(best.asin)
+        within = " and within the price" if ceiling is not None and best in affordable else ""
         return (f"click[{best.asin}]",
-                f"{best.asin} ({_short(best.title, 6)}) fits the request best. Let me open it.")
+                f"{best.asin} ({_short(best.title, 6)}) is the best match{within}. Let me open it.")
 
     def _on_item(self, env: WebShopEnv, state: _Episode) -> tuple[str, str]:
         offered = [c for c in env.clickables() if c not in _FIXED_BUTTONS]
-        plan: list[tuple[str, str]] = []
-        missing = []
-        for name, value in state.request.options:
-            wanted = value.lower()
-            if wanted in offered:
-                plan.append((f"click[{wanted}]", f"The request asks for {name} {_short(value, 6)}, so I select it."))
-                continue
-            scored = [(fuzzy_score(wanted, v), v) for v in offered]
-            score, closest = max(scored) if scored else (0, "")
-            if score >= MIN_OPTION_SCORE:
-                plan.append((f"click[{closest}]", f"{_short(value, 6)} is not offered; {_short(closest, 6)} "
-                                                  "is the closest, so I select it."))
-            else:
-                missing.append(value)
+        missing = [value for _, value in state.request.options if value.lower() not in offered]
         turns_left = env.max_turns() - state.turns  # turns after this one
         if missing and state.alternatives_left > 0 and turns_left >= 2 + self._turns_needed_after_open(state):
             state.alternatives_left -= 1
             return (f"click[{PREV_PAGE}]",
                     f"This item does not offer {_short(missing[0], 6)}. Let me go back and try another result.")
+        plan: list[tuple[str, str]] = []
+        for name, value in state.request.options:
+            wanted = value.lower()
+            if wanted in offered:
+                plan.append((f"click[{wanted}]", f"The request asks for {name} {_short(value, 6)}, so I select it."))
+                continue
+            score, closest = max((fuzzy_score(wanted, v), v) for v in offered) if offered else (0, "")
+            if score >= MIN_OPTION_SCORE:
+                plan.append((f"click[{closest}]", f"{_short(value, 6)} is not offered; {_short(closest, 6)} "
+                                                  "is the closest, so I select it."))
         plan = plan[:max(turns_left, 0)]  # Buy Now must still fit in the turn limit
         plan.append((f"click[{BUY_NOW}]", "The item fits the request and the options are set. I will buy it."))
         state.pending = plan[1:]
@@ -238,3 +245,35 @@ def _instruction_of(observation: str) -> str:
         if part.strip() == "Instruction:":
             return parts[i + 1]
     return ""
+
+
+class WebShopExpertConfig(StageConfig):
+    """Settings of ``qevolve data expert webshop`` (``KEY=VALUE`` after the environment name)."""
+
+    min_reward: float = Field(1.0, ge=0.0, le=1.0, description="keep a demonstration when its purchase reward is "
+                              "at least this (1.0: only won episodes, the default)")
+    turn_format: Literal["thought_action", "action"] = Field("thought_action", description="turn text of the "
+                                                             "demonstrations: 'Thought: ...\\nAction: ...' or "
+                                                             "'Action: ...' only")
+    max_alternatives: int = Field(DEFAULT_MAX_ALTERNATIVES, ge=0, description="other results the expert opens "
+                                  "when the first lacks an option value the instruction names")
+
+
+def webshop_expert_jobs(split: str = "train", limit: int | None = None, data_root: str | None = None,
+                        **settings) -> tuple[list[EpisodeJob], list[tuple[str, str]]]:
+    """Imitable-expert episode jobs over the goals of ``split`` (nothing is dropped beforehand)."""
+    config = build_config(WebShopExpertConfig, settings, "webshop expert settings")
+    env = WebShopEnv(split=split, data_root=data_root)
+    tasks = env.tasks(split)
+    if limit is not None:
+        tasks = tasks[:limit]
+    jobs = [EpisodeJob(task, ObservableExpertPolicy(config.turn_format, config.max_alternatives), split=split)
+            for task in tasks]
+    return jobs, []
+
+
+def webshop_expert_keep(**settings) -> Callable[[Episode], str | None]:
+    """The bar a demonstration must meet: reward >= ``min_reward`` (None = keep, else the reason)."""
+    min_reward = build_config(WebShopExpertConfig, settings, "webshop expert settings").min_reward
+    reason = "not won" if min_reward >= 1.0 else f"reward below {min_reward:g}"
+    return lambda episode: None if episode.score >= min_reward else reason
