@@ -125,29 +125,34 @@ def data_expert(
     task_types: Optional[str] = typer.Option(None, help="only these task types, comma-separated (e.g. "
                                              "pick_and_place_simple,look_at_obj_in_light); --limit counts "
                                              "after this filter"),
+    settings: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE settings of the environment's expert "
+                                                   "source, e.g. WebShop's min_reward=0.8"),
 ) -> None:
     """Replay expert demonstrations in the real environment and keep the successful ones (resumable)."""
-    from qevolve.environments.experts import (expert_retries, expert_task_type, filter_task_types,
+    from qevolve.config import apply_overrides
+    from qevolve.environments.experts import (expert_keep, expert_retries, expert_task_type, filter_task_types,
                                               generate_experts, get_expert_source)
     from qevolve.paths import data_dir
 
     source_fn = get_expert_source(env)
+    source_settings = apply_overrides({}, settings)
     if task_types:
-        jobs, dropped = source_fn(split=split, limit=None)
+        jobs, dropped = source_fn(split=split, limit=None, **source_settings)
         wanted = [t.strip() for t in task_types.split(",") if t.strip()]
         keep = set(filter_task_types(env, [job.task_id for job in jobs] + [d[0] for d in dropped], wanted,
                                      "--task-types"))
         jobs = [job for job in jobs if job.task_id in keep][:limit]
         dropped = [d for d in dropped if d[0] in keep]
     else:
-        jobs, dropped = source_fn(split=split, limit=limit)
+        jobs, dropped = source_fn(split=split, limit=limit, **source_settings)
     output = output or data_dir() / "experts" / env
     typer.echo(f"{env}: {len(jobs)} demonstrations to replay ({len(dropped)} unusable) -> {output}")
     report = generate_experts(env, output, jobs, dropped, {"split": split}, num_workers=workers,
-                              shard_size=shard_size, task_type=expert_task_type(env), retries=expert_retries(env))
+                              shard_size=shard_size, task_type=expert_task_type(env), retries=expert_retries(env),
+                              keep=expert_keep(env, **source_settings))
     summary = report.as_dict()
     (output / "report.json").write_text(json.dumps(summary, indent=1))
-    typer.echo(f"kept {report.kept} won demonstrations; dropped: {dict(report.dropped) or 'none'}")
+    typer.echo(f"kept {report.kept} demonstrations; dropped: {dict(report.dropped) or 'none'}")
     print_table([{"task_type": k, "kept": v[0], "tried": v[1]} for k, v in sorted(report.per_task_type.items())])
     if report.retried:
         typer.echo(f"{report.retried} extra attempts of tasks with random dynamics")

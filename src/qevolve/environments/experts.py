@@ -26,20 +26,32 @@ ExpertSourceFn = Callable[..., tuple[list[EpisodeJob], list[tuple[str, str]]]]
 _EXPERT_SOURCES: dict[str, ExpertSourceFn] = {}
 _TASK_TYPES: dict[str, Callable[[str], str]] = {}
 _RETRIES: dict[str, Callable[[str], int]] = {}
+KeepFn = Callable[[Episode], "str | None"]
+_KEEPS: dict[str, Callable[..., KeepFn]] = {}
 
 
 def register_expert_source(env_name: str, task_type: Callable[[str], str] | None = None,
-                           retries: Callable[[str], int] | None = None):
-    """Register ``fn(split=..., limit=...) -> (jobs, dropped)``; ``task_type`` groups the report,
-    ``retries(task_id)`` is how many more attempts a task gets when its episode is not kept."""
+                           retries: Callable[[str], int] | None = None,
+                           keep: Callable[..., KeepFn] | None = None):
+    """Register ``fn(split=..., limit=..., **settings) -> (jobs, dropped)``; ``task_type`` groups the
+    report, ``retries(task_id)`` is how many more attempts a task gets when its episode is not kept,
+    ``keep(**settings)`` returns the bar an episode must meet (None = keep, else why not; default: won)."""
     def _register(fn: ExpertSourceFn) -> ExpertSourceFn:
         _EXPERT_SOURCES[env_name] = fn
         if task_type is not None:
             _TASK_TYPES[env_name] = task_type
         if retries is not None:
             _RETRIES[env_name] = retries
+        if keep is not None:
+            _KEEPS[env_name] = keep
         return fn
     return _register
+
+
+def expert_keep(env_name: str, **settings: Any) -> KeepFn | None:
+    """The environment's keep rule for its expert episodes (None: the default, keep the won ones)."""
+    get_expert_source(env_name)
+    return _KEEPS[env_name](**settings) if env_name in _KEEPS else None
 
 
 def expert_task_type(env_name: str) -> Callable[[str], str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from qevolve.environments.base import Environment, StepResult, register_environment
 from qevolve.environments.webshop.catalog import DEFAULT_SEED, Catalog, Goal, Product, goal_index, goal_task_id, load_catalog
 from qevolve.environments.webshop.prompt import WEBSHOP_INSTRUCTION
-from qevolve.environments.webshop.reward import RewardBreakdown, purchase_reward
+from qevolve.environments.webshop.reward import RewardBreakdown, check_option_matching, purchase_reward
 
 SEP = " [SEP] "
 RESULTS_PER_PAGE = 10
@@ -68,8 +68,9 @@ class WebShopEnv(Environment):
     """WebShop (1,000 products) in text mode.
 
     ``split`` is where ``tasks()`` looks by default; ``seed`` seeds the goal shuffle and every
-    other random draw (233, as upstream's shuffle); ``upstream_option_matching`` restores
-    upstream's lenient comparison of goal options as (name, value) tuples.
+    other random draw (233, as upstream's shuffle); ``option_matching`` is how chosen options are
+    scored: ``"upstream"`` (upstream's exact rule, the default) or ``"by_value"`` (the earlier,
+    more lenient rule), see :mod:`qevolve.environments.webshop.reward`.
     """
 
     name = "webshop"
@@ -78,7 +79,7 @@ class WebShopEnv(Environment):
 
     def __init__(self, split: str = "train", data_root: str | Path | None = None, max_turns: int = DEFAULT_MAX_TURNS,
                  seed: int = DEFAULT_SEED, test_goals: int = DEFAULT_TEST_GOALS,
-                 validation_goals: int = DEFAULT_VALIDATION_GOALS, upstream_option_matching: bool = False,
+                 validation_goals: int = DEFAULT_VALIDATION_GOALS, option_matching: str = "upstream",
                  top_k: int = TOP_K):
         if max_turns < 1:
             raise ValueError(f"webshop max_turns must be >= 1, got {max_turns}")
@@ -93,7 +94,7 @@ class WebShopEnv(Environment):
         self._max_turns = max_turns
         self.test_goals = test_goals
         self.validation_goals = validation_goals
-        self.upstream_option_matching = upstream_option_matching
+        self.option_matching = check_option_matching(option_matching)
         self.top_k = top_k
         self.session: Session | None = None
         self.tasks(split)  # validates the split name
@@ -190,7 +191,7 @@ class WebShopEnv(Environment):
             product = self.catalog.products[session.asin]
             target = self.catalog.products[session.goal.asin]
             session.reward = purchase_reward(product, session.goal, target, session.options,
-                                             self.upstream_option_matching)
+                                             self.option_matching)
             session.page = "done"
         else:  # an option value
             product = self.catalog.products[session.asin]

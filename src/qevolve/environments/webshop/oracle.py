@@ -1,13 +1,13 @@
-"""Scripted WebShop policies: the oracle that writes synthetic expert demonstrations, and a naive baseline.
+"""Scripted WebShop policies for diagnostics: the privileged oracle and a naive baseline.
 
-No human demonstrations exist for the 1,000-product setting, so the expert data are synthetic: an
-oracle that knows the goal's target product searches with a query derived from the goal text,
-opens the target (paging if needed), clicks every option the goal asks for and buys. Its
-episodes are labelled ``source = "synthetic"`` in the trajectory store. With the
-``thought_action`` turn format each turn carries a short templated thought.
+The oracle **knows the goal's target product** (hidden information): it searches with a query
+derived from the goal, opens the target (paging if needed), clicks every option the goal asks for
+and buys. A model cannot imitate choices made on information it never sees, so the oracle is
+*not* the expert behind the demonstrations (that is the observable
+:class:`~qevolve.environments.webshop.expert.ObservableExpertPolicy`); it stays as the
+``oracle`` play policy, to measure what a perfect purchase scores.
 
-The oracle picks its query offline (it may consult the search index like a person who knows what
-they want would rephrase), among
+The oracle picks its query offline (it may consult the search index), among
 
 1. the goal's instruction without its option and price clauses,
 2. the whole goal text,
@@ -21,7 +21,7 @@ the title.
 
 from __future__ import annotations
 
-from qevolve.environments.pool import EpisodeJob, EpisodePolicy
+from qevolve.environments.pool import EpisodePolicy
 from qevolve.environments.turn_format import TURN_FORMATS, format_turn
 from qevolve.environments.webshop.catalog import Goal, load_catalog
 from qevolve.environments.webshop.env import BUY_NOW, NEXT_PAGE, RESULTS_PER_PAGE, WebShopEnv
@@ -82,7 +82,7 @@ def _short(text: str, words: int = 8) -> str:
 class OraclePolicy(EpisodePolicy):
     """Search, open the target product, choose the goal's options, buy (privileged: knows the target)."""
 
-    source = "synthetic"
+    source = "oracle"
 
     def __init__(self, turn_format: str = "thought_action"):
         if turn_format not in TURN_FORMATS:
@@ -148,14 +148,3 @@ def webshop_task_type(task_id: str) -> str:
     catalog = load_catalog()
     goal = catalog.goals[goal_index(task_id)]
     return catalog.products[goal.asin].category or "other"
-
-
-def webshop_expert_jobs(split: str = "train", limit: int | None = None, turn_format: str = "thought_action",
-                        **env_kwargs):
-    """Oracle episode jobs over the goals of ``split`` (no goal is unusable: nothing is dropped)."""
-    env = WebShopEnv(split=split, **env_kwargs)
-    tasks = env.tasks(split)
-    if limit is not None:
-        tasks = tasks[:limit]
-    jobs = [EpisodeJob(task, OraclePolicy(turn_format), split=split) for task in tasks]
-    return jobs, []
