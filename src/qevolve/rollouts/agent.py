@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 from pydantic import Field
 from tqdm import tqdm
 
-from qevolve.buffer.store import Episode, Turn
+from qevolve.buffer.store import Episode, Turn, settle_final_reward
 from qevolve.config import StageConfig
 from qevolve.environments.pool import EnvPool
 from qevolve.environments.turn_format import parse_turn
@@ -110,6 +110,7 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
             failed.append((state.episode.episode_id, reason))
         else:
             state.episode.final_observation = final_observation
+            settle_final_reward(state.episode)  # cut at the turn limit: the final reward goes on the last turn
             finished.append(state.episode)
             if on_episode:
                 on_episode(state.episode)
