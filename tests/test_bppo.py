@@ -92,7 +92,7 @@ def test_standardize_is_float64_and_only_centres_when_all_equal():
     # all-equal advantages carry no preference: centred to 0, never scaled up to +-1 (the old code gave +0.80)
     flat = _standardize(torch.full((7,), -0.8))
     assert flat.dtype == torch.float64 and flat.abs().max() < 1e-12
-    out = _standardize(torch.tensor([-0.5, -0.4, -0.6]))
+    out = _standardize(torch.tensor([-0.5, -0.4, -0.6], dtype=torch.float64))
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64) * (1.5 ** 0.5))
     assert _standardize(torch.tensor([0.3])).tolist() == [0.0]
 
