@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from qevolve.buffer.store import write_episodes
-from qevolve.policy.bppo import PolicyStageConfig, run_policy_update, sequence_logprobs
+from qevolve.config import ConfigError, load_config
+from qevolve.policy import bppo
+from qevolve.policy.bppo import PolicyStageConfig, _standardize, run_policy_update, sequence_logprobs
 from qevolve.policy.model import LoraSettings, ModelConfig, load_policy
 from qevolve.policy.objectives import ObjectiveConfig
 from qevolve.policy.bc import prepare_sequences
@@ -84,3 +86,108 @@ def test_unlabelled_buffer_is_a_clear_error(alfworld_experts, tiny_model_dir, tm
                                output_dir=str(tmp_path / "out"), progress=False, tensorboard=False)
     with pytest.raises(ValueError, match="has no advantage; label the buffer first"):
         run_policy_update(config, log=lambda m: None)
+
+
+def test_standardize_is_float64_and_only_centres_when_all_equal():
+    # all-equal advantages carry no preference: centred to 0, never scaled up to +-1 (the old code gave +0.80)
+    flat = _standardize(torch.full((7,), -0.8))
+    assert flat.dtype == torch.float64 and flat.abs().max() < 1e-12
+    out = _standardize(torch.tensor([-0.5, -0.4, -0.6], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64) * (1.5 ** 0.5))
+    assert _standardize(torch.tensor([0.3])).tolist() == [0.0]
+
+
+def test_batch_mode_is_refused_with_the_field_named():
+    with pytest.raises(ConfigError, match="field 'standardize_advantages'.*removed.*buffer \\(default\\), step or none"):
+        load_config(PolicyStageConfig, None, ["standardize_advantages=batch"])
+    assert PolicyStageConfig().standardize_advantages == "buffer"
+
+
+def _recorded_advantages(monkeypatch, alfworld_experts, tiny_model_dir, tmp_path, mode, per_turn, accum=None):
+    """One BPPO step on two episodes with the given per-turn advantages, one sequence per micro-batch.
+
+    Returns the sequences and, for each micro-batch of the step, its sequence index and the token
+    advantages the objective saw. ``accum`` micro-batches per step (default: all of them)."""
+    from qevolve.policy.trainer import Trainer
+
+    episodes = [copy.deepcopy(ep) for ep in alfworld_experts[:2]]
+    for episode, values in zip(episodes, per_turn):
+        for turn, value in zip(episode.turns, values(episode.num_turns)):
+            turn.advantage = value
+    write_episodes(tmp_path / "labelled.parquet", episodes)
+    policy = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),
+                         trainable=False)
+    builder = PromptBuilder.for_environment(policy.tokenizer, PROMPT, "alfworld")
+    sequences = prepare_sequences(episodes, builder, policy.model.config.max_position_embeddings)
+    seen, groups = [], []
+    original_objective, original_groups = bppo.compute_objective, Trainer.step_groups
+
+    def objective_spy(config, logp, old, ref, adv, mask):
+        seen.append(adv.detach().double().cpu())
+        return original_objective(config, logp, old, ref, adv, mask)
+
+    def groups_spy(self, step):
+        out = original_groups(self, step)
+        groups.extend(out)
+        return out
+
+    monkeypatch.setattr(bppo, "compute_objective", objective_spy)
+    monkeypatch.setattr(Trainer, "step_groups", groups_spy)
+    config = PolicyStageConfig(
+        buffer_path=str(tmp_path / "labelled.parquet"), prompt=PROMPT,
+        model=ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu",
+                          lora=LoraSettings(enabled=False)),
+        objective=ObjectiveConfig(name="bppo", kl_coef=0.0), standardize_advantages=mode,
+        max_steps=1, grad_accum_steps=accum or len(sequences), tokens_per_batch=16, batching="bucket",
+        output_dir=str(tmp_path / f"out-{mode}"), progress=False, tensorboard=False, save_final=False)
+    run_policy_update(config, log=lambda m: None)
+    assert all(len(g) == 1 for g in groups) and len(groups) == len(seen)  # one sequence per micro-batch
+    return sequences, [(g[0], adv) for g, adv in zip(groups, seen)], episodes
+
+
+def _success(n):
+    return [0.5 + 0.1 * (t % 3) for t in range(n)]
+
+
+def _failure(n):
+    return [-0.5 + 0.1 * ((t % 3) - 1) for t in range(n)]  # -0.6, -0.5, -0.4, ...
+
+
+def _turn_values(sequence, episodes):
+    values = (_success, _failure)[sequence.episode](episodes[sequence.episode].num_turns)
+    return torch.tensor([values[t] for t in sequence.turns], dtype=torch.float64)
+
+
+def _tokens(sequence, per_turn):
+    return torch.repeat_interleave(per_turn, torch.tensor([end - start for start, end in sequence.spans]))
+
+
+@pytest.mark.parametrize("mode", ["buffer", "step"])
+def test_a_lone_failure_stays_negative_and_turns_weigh_equally(monkeypatch, alfworld_experts, tiny_model_dir,
+                                                                  tmp_path, mode):
+    """One success (A > 0 on every turn) and one failure (A < 0), each micro-batch one sequence.
+
+    Per micro-batch standardisation turned the failure's [-0.5, -0.4, -0.6, ...] into values of
+    both signs (pushing some failed actions up). Over the buffer (or a step holding every
+    micro-batch) each failed turn stays negative, and every turn counts once, whatever its length.
+    """
+    sequences, seen, episodes = _recorded_advantages(monkeypatch, alfworld_experts, tiny_model_dir, tmp_path,
+                                                     mode, [_success, _failure])
+    turns = torch.tensor(_success(episodes[0].num_turns) + _failure(episodes[1].num_turns), dtype=torch.float64)
+    shift, scale = turns.mean(), turns.std(unbiased=False)
+    assert sorted(index for index, _ in seen) == list(range(len(sequences)))
+    for index, adv in seen:
+        sequence = sequences[index]
+        want = _tokens(sequence, (_turn_values(sequence, episodes) - shift) / scale)
+        torch.testing.assert_close(adv, want.float().double())
+        assert (adv < 0).all() if sequence.episode == 1 else (adv > 0).all()
+
+
+def test_step_mode_standardises_over_each_steps_turns(monkeypatch, alfworld_experts, tiny_model_dir, tmp_path):
+    sequences, seen, episodes = _recorded_advantages(monkeypatch, alfworld_experts, tiny_model_dir, tmp_path,
+                                                     "step", [_success, _failure], accum=1)
+    (index, adv), = seen  # max_steps=1, one micro-batch per step
+    sequence = sequences[index]
+    turns = _turn_values(sequence, episodes)
+    want = _tokens(sequence, (turns - turns.mean()) / turns.std(unbiased=False))
+    torch.testing.assert_close(adv, want.float().double())

@@ -89,6 +89,24 @@ def test_build_samples_positions_rewards_and_success():
     assert sample.dones.tolist() == [False, False, True]
 
 
+def test_success_flag_d_comes_from_the_final_score():
+    """d = 1 iff the episode's final score is non-zero, whatever the sign of the last turn's reward."""
+    rng = random.Random(0)
+    # a failure after partial progress, with old dense rewards [0.25, 0, -0.25]: final score 0 -> d = 0
+    failed = synthetic_episode(rng, 0, 3, success=False, done=True)
+    for turn, reward in zip(failed.turns, [0.25, 0.0, -0.25]):
+        turn.reward = reward
+    # cut at the turn limit after reaching 0.5, old dense rewards [0.25, 0.25, 0]: final score 0.5 -> d = 1
+    truncated = synthetic_episode(rng, 1, 3, success=False)
+    for turn, reward in zip(truncated.turns, [0.25, 0.25, 0.0]):
+        turn.reward = reward
+    truncated.score = 0.5
+    first, second = _samples([failed, truncated])
+    assert not first.success and second.success
+    torch.testing.assert_close(first.weights, transition_weights(3, False, WeightingConfig()))
+    torch.testing.assert_close(second.weights, transition_weights(3, True, WeightingConfig()))
+
+
 def test_build_samples_errors_name_the_episode():
     episode = synthetic_episode(random.Random(0), 5, 2, success=False)
     episode.turns[1].action_ids = []

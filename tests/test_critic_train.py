@@ -12,6 +12,7 @@ from qevolve.buffer.store import read_episodes, write_episodes
 from qevolve.critic.config import CriticConfig
 from qevolve.critic.testing import save_tiny_llama, synthetic_buffer
 from qevolve.critic.train import CRITIC_FILE, METRICS_FILE, STATE_FILE, critic_samples, load_critic, predict_values, train_critic
+from qevolve.config import ConfigError, load_config
 from qevolve.process_rewards.label import LabelConfig, label_episodes
 
 
@@ -124,6 +125,32 @@ def test_label_estimators_and_standardisation(tiny_folder, tmp_path):
                                        LabelConfig(estimator="td1", standardize=True), progress=False)
     advantages = np.array([t.advantage for ep in labelled for t in ep.turns])
     assert advantages.mean() == pytest.approx(0.0, abs=1e-9) and advantages.std() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_label_q_source_online_by_default_or_target(tiny_folder, tmp_path):
+    """Q - V reads the online Q heads (the method's Q) unless q_source=target asks for Qbar."""
+    import copy
+
+    config = _config(tiny_folder, tmp_path, epochs=1)
+    train_critic(synthetic_buffer(6, seed=3), config, tmp_path / "run", progress=False)
+    critic = load_critic(tmp_path / "run")
+    # make Qbar differ from Q by exactly +1: a copy of the online heads with 1 added to the output bias
+    critic.target_q = copy.deepcopy(critic.heads.q).requires_grad_(False)
+    with torch.no_grad():
+        for head in critic.target_q:
+            head[-1].bias += 1.0
+    assert LabelConfig().q_source == "online"
+    online, summary = label_episodes(synthetic_buffer(6, seed=3), critic, LabelConfig(estimator="q_minus_v"),
+                                     progress=False)
+    target, _ = label_episodes(synthetic_buffer(6, seed=3), critic,
+                               LabelConfig(estimator="q_minus_v", q_source="target"), progress=False)
+    assert summary["q_source"] == "online"
+    for a, b in zip((t for ep in online for t in ep.turns), (t for ep in target for t in ep.turns)):
+        assert b.q_value == pytest.approx(a.q_value + 1.0, abs=1e-5)
+        assert a.advantage == pytest.approx(a.q_value - a.value) and b.advantage == pytest.approx(a.advantage + 1.0,
+                                                                                                   abs=1e-5)
+    with pytest.raises(ConfigError, match="field 'q_source'"):
+        load_config(LabelConfig, None, ["q_source=qbar"])
 
 
 def test_cli_critic_and_label(tiny_folder, tmp_path, monkeypatch):

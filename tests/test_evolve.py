@@ -96,6 +96,9 @@ def test_every_shipped_evolve_config_loads():
     configs = {f.stem: load_config(EvolveConfig, f) for f in files}
     assert configs["plain_iql"].critic.iql.weighting.scheme == "plain"
     assert configs["awr"].policy.objective.name == "awr"
+    assert configs["awr"].policy.objective.kl_coef == 0.0  # the paper's AWR has no KL term
+    assert configs["alfworld"].policy.objective.kl_coef > 0  # BPPO keeps it
+    assert {c.policy.standardize_advantages for c in configs.values()} == {"buffer"}
     assert configs["no_rr"].critic.retrospective.enabled is False
     assert {configs[f"adv_{e}"].label.estimator for e in ("gae_env", "gae_env_aux", "td1", "q_minus_v")} == \
            {"gae_env", "gae_env_aux", "td1", "q_minus_v"}

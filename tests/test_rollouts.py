@@ -79,6 +79,22 @@ def test_format_errors_are_recorded_and_the_episode_goes_on(tiny_policy):
     assert all(t.info.get("env_stepped", True) for t in noop.episodes[0].turns)
 
 
+def test_an_episode_cut_at_the_turn_limit_gets_its_score_on_the_last_turn(tiny_policy):
+    """Sparse r_env: the runner puts a truncated episode's final score (progress 2/5) on its last turn."""
+    prompt = PromptConfig(max_prompt_tokens=1024, reserve_action_tokens=16)
+    builder = PromptBuilder.for_environment(tiny_policy.tokenizer, prompt, "alfworld")
+    backend = HFGenerationBackend(tiny_policy.model, builder.formatter.eot_ids[-1:], tiny_policy.tokenizer.pad_token_id)
+    # the random tiny model never writes an action: its turns are format errors, executed as "next"
+    config = AgentConfig(batch_size=1, num_workers=1, max_new_tokens=4, max_turns=2, format_error_policy="noop",
+                         noop_action="next")
+    result = run_agent("qevolve.environments.testing:CounterEnv", "train", [("c#0", "count-5")], backend, builder,
+                       tiny_policy.tokenizer, config, progress=False, env_kwargs={"partial_score": True})
+    (episode,) = result.episodes
+    assert episode.num_turns == 2 and not episode.turns[-1].done and not episode.won
+    assert episode.score == pytest.approx(0.4) and [t.reward for t in episode.turns] == [0.0, episode.score]
+    assert episode.ended_with_reward
+
+
 def test_eval_writes_trajectories_and_metrics(tiny_model_dir, tmp_path):
     config = RolloutConfig(env="alfworld", split="unseen", limit=2, task_stride=10,
                            model=ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),

@@ -151,7 +151,8 @@ def test_gold_path_replay_reaches_100(env, task):
         if result.done:
             break
     assert result.done and result.info["won"] and result.info["score"] == 1.0 and result.info["sim_score"] == 100
-    assert sum(rewards) == pytest.approx(1.0)  # step rewards add up to the episode's reward
+    # sparse r_env: 0 until the end, then the final score (the score's rises are only in info)
+    assert rewards[:-1] == [0.0] * (len(rewards) - 1) and rewards[-1] == 1.0
 
 
 def test_invalid_action_is_flagged_and_episode_goes_on(env):
@@ -172,7 +173,35 @@ def test_negative_score_ends_the_episode_with_zero(env):
     result = env.step("focus on agent")  # focusing on the wrong object fails the task
     assert result.info["sim_score"] < 0 and result.done and not result.info["won"]
     assert result.info["score"] == 0.0
-    assert sum(r.reward for r in results) + result.reward == pytest.approx(0.0)
+    # the score rose before the failure, but r_env is sparse: every reward is 0, the failure too
+    assert results[-1].info["score"] > 0 and result.info["score_delta"] == -results[-1].info["score"]
+    assert [r.reward for r in results] == [0.0] * len(results) and result.reward == 0.0
+
+
+def test_failed_and_truncated_episodes_get_the_final_score_and_d(env):
+    """r_env is 0 until the end, then the final score; d (w_t's success flag) is the final score > 0.
+
+    A failure after partial progress ends with reward 0 and d = 0; an episode cut at the turn limit
+    after reaching 0.43 gets 0.43 on its last turn and d = 1.
+    """
+    from qevolve.critic.config import WeightingConfig
+    from qevolve.critic.data import transition_weights
+    from qevolve.environments.pool import EpisodeJob, play_episode
+    from qevolve.environments.policies import ReplayPolicy, WalkthroughPolicy
+
+    cut = play_episode(env, EpisodeJob("use-thermometer/5", WalkthroughPolicy(), "train", max_turns=7), "sciworld")
+    assert cut.num_turns == 7 and not cut.turns[-1].done and not cut.won and cut.score == pytest.approx(0.43)
+    assert [t.reward for t in cut.turns] == [0.0] * 6 + [cut.score]
+    assert cut.ended_with_reward
+    env.request_gold_path()
+    env.reset("use-thermometer/5")
+    gold = env.expert_actions()
+    prefix = gold[:next(i for i, a in enumerate(gold) if a.startswith("focus on"))]
+    failed = play_episode(env, EpisodeJob("use-thermometer/5", ReplayPolicy(prefix + ["focus on agent"]), "train"),
+                          "sciworld")
+    assert failed.turns[-1].done and failed.score == 0.0 and not failed.ended_with_reward
+    assert [t.reward for t in failed.turns] == [0.0] * failed.num_turns
+    assert transition_weights(3, failed.ended_with_reward, WeightingConfig()).max() < 1.0
 
 
 def test_admissible_actions_on_request(env):

@@ -5,8 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from qevolve.buffer.store import (
-    SCHEMA_KEY, Episode, StoreError, Turn, read_episodes, read_metadata, summarize, usable_episodes, write_episodes,
-    write_shard,
+    SCHEMA_KEY, Episode, StoreError, Turn, read_episodes, read_metadata, settle_final_reward, summarize,
+    usable_episodes, write_episodes, write_shard,
 )
 from qevolve.buffer.tokenized import tokenized_from_episode
 
@@ -143,3 +143,16 @@ def test_reads_schema_version_1(tmp_path):
     back = read_episodes(path)
     assert [ep.episode_id for ep in back] == ["ep0", "ep1"] and not any(ep.failed for ep in back)
     assert back[0] == make_episode(0)
+
+
+def test_settle_final_reward_puts_the_score_on_a_cut_episodes_last_turn():
+    cut = make_episode(0, n_turns=3, won=False)
+    cut.score = 0.43  # reached 43 before the turn limit; a sparse environment gave no reward yet
+    settle_final_reward(cut)
+    assert [t.reward for t in cut.turns] == [0.0, 0.0, 0.43] and cut.ended_with_reward
+    done = make_episode(1, n_turns=2, won=True)  # ended by the environment: left as it is
+    settle_final_reward(done)
+    assert [t.reward for t in done.turns] == [0.0, 1.0] and done.ended_with_reward
+    lost = make_episode(2, n_turns=2, won=False)
+    settle_final_reward(lost)
+    assert [t.reward for t in lost.turns] == [0.0, 0.0] and not lost.ended_with_reward

@@ -96,6 +96,25 @@ class Episode:
     def num_turns(self) -> int:
         return len(self.turns)
 
+    @property
+    def ended_with_reward(self) -> bool:
+        """d of the critic's weights w_t (method section 4): the episode ended with a non-zero final
+        environment reward, i.e. its final ``score`` is > 0 (scores lie in [0, 1]). Read from the
+        episode's final score, not from the sign of its last turn's reward."""
+        return self.score > 0
+
+
+def settle_final_reward(episode: Episode) -> None:
+    """Put the episode's final reward on its last turn when the runner ended it (not ``done``).
+
+    r_env is sparse: an environment gives the final reward on the step that ends the episode. An
+    episode cut at the turn limit (or stopped by its policy) never saw that step, so its last turn
+    gets what its final ``score`` adds to the rewards already given (for a sparse environment: the
+    score itself). The rewards of every recorded episode then sum to its ``score``.
+    """
+    if episode.turns and not episode.turns[-1].done:
+        episode.turns[-1].reward += episode.score - sum(turn.reward for turn in episode.turns)
+
 
 _EPISODE_FIELDS = [f.name for f in fields(Episode) if f.name != "turns"]
 _TURN_FIELDS = [f.name for f in fields(Turn)]

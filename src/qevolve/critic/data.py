@@ -56,7 +56,7 @@ class CriticSample:
     dones: torch.Tensor  # [T] bool
     weights: torch.Tensor  # [T] float: w_t
     mc_returns: torch.Tensor  # [T] float: discounted sum of r_env + r_aux from t to the end (no bootstrap)
-    success: bool  # d: the last turn's r_env is non-zero
+    success: bool  # d: the episode's final score is non-zero (Episode.ended_with_reward)
 
     @property
     def num_turns(self) -> int:
@@ -131,7 +131,7 @@ def build_samples(episodes: list[Episode], retrospective: RetrospectiveConfig, w
                              f"max_sequence_tokens={max_sequence_tokens}")
         env_rewards = torch.tensor([turn.reward for turn in episode.turns], dtype=torch.float32)
         aux = torch.tensor(aux_rewards(episode, retrospective), dtype=torch.float32)
-        success = bool(episode.turns[-1].reward != 0)
+        success = episode.ended_with_reward  # d from the final score, not the last reward's sign
         samples.append(CriticSample(
             episode_index=index,
             episode_id=episode.episode_id,

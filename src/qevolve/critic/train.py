@@ -296,12 +296,15 @@ def load_critic(folder: str | Path, device: str | None = None) -> Critic:
 
 @torch.inference_mode()
 def predict_values(critic: Critic, samples: list[CriticSample], progress: bool = True,
-                   batch_tokens: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(V(s_t), Qbar(s_t, a_t)) of every turn of every sample, float64 arrays.
+                   batch_tokens: int | None = None, q_source: str = "online") -> list[tuple[np.ndarray, np.ndarray]]:
+    """(V(s_t), Q(s_t, a_t)) of every turn of every sample, float64 arrays.
 
-    Q is the minimum over the target Q heads, the quantity V was fitted to (as in IQL's policy
-    extraction).
+    ``q_source="online"`` (default): Q is the minimum over the online Q heads, the Q of the method's
+    ``Q - V`` advantage. ``"target"``: the minimum over the Polyak target heads Qbar, the quantity
+    V was fitted to (as in IQL's policy extraction).
     """
+    if q_source not in ("online", "target"):
+        raise ValueError(f"q_source {q_source!r}: expected online or target")
     config = critic.config
     device = next(critic.heads.parameters()).device
     critic.eval()
@@ -314,7 +317,11 @@ def predict_values(critic: Critic, samples: list[CriticSample], progress: bool =
     results = []
     for sample, (v_features, q_features) in zip(samples, features):
         values = critic.heads.value(v_features.to(device)).double().cpu().numpy()
-        q_values = critic.target_q_min(q_features.to(device)).double().cpu().numpy()
+        if q_source == "target":
+            q_values = critic.target_q_min(q_features.to(device))
+        else:
+            q_values = critic.heads.q_values(q_features.to(device)).min(dim=0).values
+        q_values = q_values.double().cpu().numpy()
         for name, array in (("V", values), ("Q", q_values)):
             if not np.isfinite(array).all():
                 turn = int(np.flatnonzero(~np.isfinite(array))[0])

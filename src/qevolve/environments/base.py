@@ -19,8 +19,11 @@ SPLITS = ("train", "seen", "unseen")
 class StepResult:
     """What the environment answered to one action.
 
-    ``info`` holds at least ``won`` (bool), ``score`` (the episode's reward so far, in [0, 1]) and
-    ``valid_action`` (False when the environment rejected the action).
+    ``reward`` is the method's sparse r_env: 0 on every step but the one that ends the episode
+    (``done``), which carries the episode's final reward. ``info`` holds at least ``won`` (bool),
+    ``score`` (the episode's reward so far, in [0, 1]) and ``valid_action`` (False when the
+    environment rejected the action). When the runner ends an episode that is not done (turn limit),
+    the last turn's reward becomes the episode's ``score`` (:func:`qevolve.buffer.store.settle_final_reward`).
     """
 
     observation: str

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterable, Iterator
 
-from qevolve.buffer.store import Episode, Turn
+from qevolve.buffer.store import Episode, Turn, settle_final_reward
 from qevolve.environments.base import Environment, StepResult, make_environment
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +121,7 @@ def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None)
     episode.final_observation = observation
     episode.won = bool(final_info.get("won", False))
     episode.score = float(final_info.get("score", 0.0))
+    settle_final_reward(episode)  # cut at the turn limit: the final reward goes on the last turn
     episode.meta = {"seconds": time.perf_counter() - started}
     return episode
 

@@ -18,8 +18,9 @@ class CounterEnv(Environment):
     name = "counter"
     instruction = "Say `next` until the counter reaches the target."
 
-    def __init__(self, split: str = "train", max_turns: int = 20):
+    def __init__(self, split: str = "train", max_turns: int = 20, partial_score: bool = False):
         self._max_turns = max_turns
+        self.partial_score = partial_score  # info["score"] = count / target (progress, as ScienceWorld reports it)
         self.target = 0
         self.count = 0
 
@@ -44,8 +45,9 @@ class CounterEnv(Environment):
             self.count += 1
         won = self.count >= self.target
         observation = f"count {self.count}" if valid else "Nothing happens."
+        score = min(self.count / self.target, 1.0) if self.partial_score else float(won)
         return StepResult(observation, 1.0 if won else 0.0, won,
-                          {"won": won, "score": 1.0 if won else 0.0, "valid_action": valid})
+                          {"won": won, "score": score, "valid_action": valid})
 
     def admissible_actions(self) -> list[str]:
         return ["next"]

@@ -13,7 +13,10 @@ turns alike), never on new environment interaction:
 * ``pi_ref`` is the behaviour-cloned policy (``reference``); its log-probs are computed once too.
   In the first iteration pi_ref = pi_old and one pass serves both.
 * A_t is the turn's process reward from ``qevolve label`` (GAE over the critic's V by default),
-  applied to every token of the turn; optionally standardised over the buffer or per micro-batch.
+  applied to every token of the turn. By default the advantages are standardised once over the
+  whole buffer, each turn counted once (not each token), in float64; ``step`` standardises over
+  each optimiser step's turns instead; a standard deviation below ``standardize_min_std`` only
+  centres them (all-equal advantages become 0 rather than noise scaled up to +-1).
 * The loss is averaged over action tokens; the objective is a registered name (``bppo`` or the
   ``awr`` ablation), so swapping it is a config value.
 
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches
@@ -59,8 +62,12 @@ class PolicyStageConfig(TrainingConfig):
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (as in BC/rollouts)")
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default), awr, or the "
                                        "dpo baseline")
-    standardize_advantages: Literal["none", "buffer", "batch"] = Field(
-        "batch", description="standardise advantages over the buffer's turns, per micro-batch's tokens, or not")
+    standardize_advantages: Literal["buffer", "step", "none"] = Field(
+        "buffer", description="standardise the turns' advantages (each turn counted once, float64): buffer = "
+        "once over every turn of the buffer (default), step = over the turns of each optimiser step, none = as "
+        "labelled")
+    standardize_min_std: float = Field(1e-6, ge=0.0, description="below this standard deviation the advantages "
+                                       "are only centred, not scaled")
     only_sources: list[str] | None = Field(None, description="train only on turns of these sources "
                                            "(null: every turn of the buffer, expert and self)")
     include_failed: bool = Field(False, description="also train on episodes lost to environment failures "
@@ -68,6 +75,14 @@ class PolicyStageConfig(TrainingConfig):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5),
                                description="optimizer and schedule")
     output_dir: str = Field("runs/policy", description="checkpoints, TensorBoard logs and the final policy")
+
+    @field_validator("standardize_advantages", mode="before")
+    @classmethod
+    def _renamed_batch_mode(cls, value: Any) -> Any:
+        if value == "batch":
+            raise ValueError("'batch' (per micro-batch, per token) was removed: it flipped the sign of lone "
+                             "failures; expected buffer (default), step or none")
+        return value
 
 
 @dataclass
@@ -122,10 +137,24 @@ def _turn_advantages(episodes: list[Episode], source: str) -> dict[tuple[int, in
     return table
 
 
-def _standardize(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    if values.numel() < 2:
-        return values - values.mean()
-    return (values - values.mean()) / (values.std() + eps)
+def _shift_and_scale(turn_advantages: torch.Tensor, min_std: float = 1e-6) -> tuple[float, float]:
+    """Mean and divisor that standardise ``turn_advantages`` (one value per turn), in float64.
+
+    The divisor is the population standard deviation, or 1 when that is below ``min_std`` (then the
+    values are only centred: all-equal advantages carry no preference and must not be scaled up).
+    """
+    values = turn_advantages.to(torch.float64)
+    if values.numel() == 0:
+        return 0.0, 1.0
+    mean = values.mean()
+    std = float((values - mean).pow(2).mean().sqrt())
+    return float(mean), (std if std >= min_std else 1.0)
+
+
+def _standardize(turn_advantages: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:
+    """(A - mean) / std over the given per-turn advantages, in float64; only centred below ``min_std``."""
+    shift, scale = _shift_and_scale(turn_advantages, min_std)
+    return (turn_advantages.to(torch.float64) - shift) / scale
 
 
 def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = print) -> PolicyResult:
@@ -149,11 +178,11 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     advantages = _turn_advantages(episodes, config.buffer_path)
     max_length = getattr(unwrap_model(policy.model).config, "max_position_embeddings", None)
     sequences = prepare_sequences(episodes, builder, max_length, config.buffer_path)
-    seq_adv = [torch.tensor([advantages[(s.episode, t)] for t in s.turns], dtype=torch.float32) for s in sequences]
-    if config.standardize_advantages == "buffer":
-        flat = _standardize(torch.cat([a for a in seq_adv]))
-        sizes = [len(a) for a in seq_adv]
-        seq_adv = list(torch.split(flat, sizes))
+    # one advantage per turn of each sequence, float64
+    seq_adv = [torch.tensor([advantages[(s.episode, t)] for t in s.turns], dtype=torch.float64) for s in sequences]
+    if config.standardize_advantages == "buffer":  # once, over every turn trained on (each turn counted once)
+        shift, scale = _shift_and_scale(torch.cat(seq_adv), config.standardize_min_std)
+        seq_adv = [(a - shift) / scale for a in seq_adv]
     # per-token advantages in each sequence's target order (a turn's A on all its tokens)
     token_adv = [torch.repeat_interleave(a, torch.tensor([end - start for start, end in s.spans]))
                  for a, s in zip(seq_adv, sequences)]
@@ -182,11 +211,12 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
     pad_id = policy.tokenizer.pad_token_id or 0
 
-    def micro_batch(group: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def micro_batch(group: list[int], shift: float = 0.0,
+                    scale: float = 1.0) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = collate(sequences, group, config.batching, pad_id)
         old = torch.cat([old_logp[i] for i in group])
         ref = torch.cat([ref_logp[i] for i in group])
-        adv = torch.cat([token_adv[i] for i in group])
+        adv = ((torch.cat([token_adv[i] for i in group]) - shift) / scale).float()
         return batch, old, ref, adv
 
     stats_log: list[dict[str, float]] = []
@@ -201,13 +231,16 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
             interrupted = True
             break
         t0 = time.perf_counter()
-        batches = [micro_batch(group) for group in trainer.step_groups(step)]
+        groups = trainer.step_groups(step)
+        shift, scale = 0.0, 1.0
+        if config.standardize_advantages == "step":  # over the step's turns, each turn counted once
+            shift, scale = _shift_and_scale(torch.cat([seq_adv[i] for group in groups for i in group]),
+                                            config.standardize_min_std)
+        batches = [micro_batch(group, shift, scale) for group in groups]
         step_targets = sum(b[0].num_targets for b in batches)
         step_stats: dict[str, float] = {}
         for batch, old, ref, adv in batches:
             batch = batch.to(policy.device)
-            if config.standardize_advantages == "batch":
-                adv = _standardize(adv)
             with policy.autocast():
                 logp = target_logprobs(model, batch)
             device = logp.device

@@ -5,7 +5,8 @@ Every estimator maps one trajectory's per-turn arrays to one advantage per turn:
 - ``gae_env``     GAE over ``r_env`` only and the critic's V (the paper's process reward, default)
 - ``gae_env_aux`` GAE over ``r_env + r_aux`` (ablation: 81.4/82.8 vs 87.9/86.6 in the paper)
 - ``td1``         one-step TD error ``r_env + gamma V(s_{t+1}) - V(s_t)`` (= GAE with lambda 0)
-- ``q_minus_v``   ``Q(s_t, a_t) - V(s_t)`` (ablation: "without GAE", 74.3/74.6)
+- ``q_minus_v``   ``Q(s_t, a_t) - V(s_t)`` (ablation: "without GAE", 74.3/74.6); Q is the online Q
+                  heads' (``label.q_source: online``, default) or the target heads' Qbar (``target``)
 
 Index conventions: ``rewards[t]`` is the reward received after turn t's action (the store's
 ``Turn.reward``, written ``r_{t+1}`` in the paper), ``dones[t]`` its done flag, ``values[t]`` =
@@ -114,10 +115,15 @@ def q_minus_v(traj: TrajectoryValues, gamma: float, lam: float) -> np.ndarray:
     return np.asarray(traj.q_values, dtype=np.float64) - np.asarray(traj.values, dtype=np.float64)
 
 
-def standardize(per_trajectory: list[np.ndarray], eps: float = 1e-8) -> list[np.ndarray]:
-    """Shift and scale all turns of a buffer to mean 0 and standard deviation 1 (population std)."""
-    flat = np.concatenate(per_trajectory) if per_trajectory else np.zeros(0)
+def standardize(per_trajectory: list[np.ndarray], min_std: float = 1e-6) -> list[np.ndarray]:
+    """Shift and scale all turns of a buffer to mean 0 and standard deviation 1 (population std, float64).
+
+    Each turn counts once. With a standard deviation below ``min_std`` (e.g. all advantages equal)
+    the values are only centred: scaling rounding noise up to +-1 would invent preferences.
+    """
+    flat = np.concatenate(per_trajectory).astype(np.float64) if per_trajectory else np.zeros(0)
     if flat.size == 0:
         return per_trajectory
     mean, std = float(flat.mean()), float(flat.std())
-    return [(a - mean) / (std + eps) for a in per_trajectory]
+    scale = std if std >= min_std else 1.0
+    return [(np.asarray(a, dtype=np.float64) - mean) / scale for a in per_trajectory]

@@ -7,7 +7,7 @@ ablations (GAE over r_env, GAE over r_env + r_aux, one-step TD, Q - V) are a con
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -27,7 +27,11 @@ class LabelConfig(StageConfig):
     gamma: float | None = Field(None, ge=0.0, le=1.0, description="discount; null = the critic's iql.gamma")
     truncated_bootstrap: str | None = Field(
         None, description="V(s_T) after a truncated trajectory: zero or last_value; null = the critic's setting")
-    standardize: bool = Field(False, description="standardise the advantages over the whole buffer (mean 0, std 1)")
+    q_source: Literal["online", "target"] = Field(
+        "online", description="the Q written on every turn and used by q_minus_v: online = the minimum over the "
+        "online Q heads (the method's Q - V, default), target = over the Polyak target heads Qbar")
+    standardize: bool = Field(False, description="standardise the advantages over the whole buffer (mean 0, std 1, "
+                              "each turn once; only centred when the std is below 1e-6)")
     batch_tokens: int | None = Field(None, ge=1, description="forward-pass batch size in tokens; null = the critic's")
     device: str | None = Field(None, description="device of the critic; null = the critic's config")
 
@@ -69,7 +73,8 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
     gamma = critic_config.iql.gamma if config.gamma is None else config.gamma
     bootstrap = config.truncated_bootstrap or critic_config.iql.truncated_bootstrap
     samples = critic_samples(episodes, critic_config)
-    predictions = predict_values(critic, samples, progress=progress, batch_tokens=config.batch_tokens)
+    predictions = predict_values(critic, samples, progress=progress, batch_tokens=config.batch_tokens,
+                                 q_source=config.q_source)
 
     trajectories = []
     for sample, (values, q_values) in zip(samples, predictions):
@@ -109,6 +114,7 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         "unlabelled_failed": len(all_episodes) - len(episodes),
         "turns": int(flat_adv.size),
         "estimator": config.estimator,
+        "q_source": config.q_source,
         "gamma": gamma,
         "lambda": config.gae_lambda,
         "standardized": config.standardize,
@@ -116,7 +122,7 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         "advantage_std": float(flat_adv.std()),
         "v0_success": float(first_values[success].mean()) if success.any() else float("nan"),
         "v0_failure": float(first_values[~success].mean()) if (~success).any() else float("nan"),
-        # over all turns of won (last r_env non-zero) and of lost trajectories
+        # over all turns of won (final score non-zero: d = 1) and of lost trajectories
         "v_mean_won": turn_mean(values, True),
         "v_mean_lost": turn_mean(values, False),
         "advantage_mean_won": turn_mean(advantages, True),

@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import Field
 
-from qevolve.buffer.store import Episode, Turn
+from qevolve.buffer.store import Episode, Turn, settle_final_reward
 from qevolve.config import StageConfig
 from qevolve.environments.pool import EnvPool
 from qevolve.environments.turn_format import parse_turn
@@ -112,6 +112,8 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
         if reason is not None:  # recorded with the turns played so far, never dropped
             failed.append((state.episode.episode_id, reason))
             state.episode.failed, state.episode.failure_reason = True, reason
+        else:
+            settle_final_reward(state.episode)  # cut at the turn limit: the final reward goes on the last turn
         state.episode.final_observation = final_observation
         finished.append(state.episode)
         if on_episode:

@@ -14,8 +14,10 @@ task description on every step. Here a step is one ``server.step`` plus ``getSco
 
 Reward (the ETO protocol): the episode's reward is the best score reached so far / 100, and 0 once
 the simulator's score turns negative (which ends the episode). ``info["score"]`` carries it after
-every step; ``StepResult.reward`` is its change at that step, so the rewards of an episode sum to
-its final ``info["score"]``. ``info["won"]`` is True once the score reached 100.
+every step. ``StepResult.reward`` is the method's sparse r_env: 0 on every step but the one that
+ends the episode, which gets the final ``info["score"]`` (a truncated episode gets it on its last
+turn from the runner, see :func:`qevolve.buffer.store.settle_final_reward`). The per-step change of
+the score is ``info["score_delta"]``. ``info["won"]`` is True once the score reached 100.
 """
 
 from __future__ import annotations
@@ -258,9 +260,10 @@ class SciWorldEnv(Environment):
         reward_now = self.episode_reward()
         won = not self._failed and self._best_score >= 100
         done = completed or self._failed or won
-        info = {"won": won, "score": reward_now, "valid_action": not is_invalid_answer(observation),
-                "sim_score": sim_score}
-        return StepResult(observation.strip(), reward_now - before, done, info)
+        info = {"won": won, "score": reward_now, "score_delta": reward_now - before,
+                "valid_action": not is_invalid_answer(observation), "sim_score": sim_score}
+        # sparse r_env (method section 1): 0 until the end, then the final score
+        return StepResult(observation.strip(), reward_now if done else 0.0, done, info)
 
     def episode_reward(self) -> float:
         """The ETO reward of the episode so far: best score / 100, or 0 after a negative score."""
