@@ -10,6 +10,7 @@ quickstart: setup
 	.venv/bin/qevolve model install
 	.venv/bin/qevolve data expert alfworld --limit 256
 	.venv/bin/qevolve evolve --config configs/quickstart.yaml --resume
+	.venv/bin/qevolve compare runs/quickstart
 
 test: setup
 	.venv/bin/python -m pytest -q
