@@ -104,6 +104,20 @@ def test_every_shipped_evolve_config_loads():
            {"gae_env", "gae_env_aux", "td1", "q_minus_v"}
 
 
+def test_cpu_protocol_configs_load_with_every_row():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
+    configs = {f.stem: load_config(EvolveConfig, f) for f in sorted(root.glob("*.yaml"))}
+    assert set(configs) == {"alfworld", "webshop"}
+    for config in configs.values():
+        assert config.baselines == ["rft", "eto", "rerank"] and config.iterations == 2
+        assert set(config.variants) == {"plain_iql", "q_minus_v", "awr"}
+        assert config.variants["awr"].policy["objective"]["kl_coef"] == 0.0
+        assert config.rollout.tasks == "buffer_experts" and config.eto.objective.name == "dpo"
+    assert configs["alfworld"].task_types and configs["alfworld"].model.lora.enabled is False
+
+
 def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_dir, tmp_path):
     """One command gives RFT, ETO-DPO and an ablation variant beside Q-Evolve, all from iteration 1's buffer."""
     config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="baselines")
