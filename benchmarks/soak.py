@@ -1,7 +1,7 @@
 """Soak test of the environment pool: many scripted episodes, worker memory and leaked processes.
 
     nice -n 15 python benchmarks/soak.py alfworld --episodes 1000 [--workers 2] [--max-turns 20]
-    nice -n 15 python benchmarks/soak.py sciworld --episodes 1000 [--recycle-after 200]
+    nice -n 15 python benchmarks/soak.py sciworld --episodes 1000 [--recycle-after never|auto|N]
 
 Episodes cycle over the split's tasks with the seeded random policy (uniform over the admissible
 actions, at most ``--max-turns`` turns), played inside the pool's workers exactly as
@@ -11,7 +11,8 @@ growth is measured from the warm-up point. After the pool closes, the script cou
 still alive that it started (children of this process, and any JVM that was a worker's child).
 
 ``--recycle-after N`` asks the pool to replace each worker after it has played N episodes
-(``EnvPool(max_episodes_per_worker=N)``), the remedy for a library that leaks memory.
+(``EnvPool(max_episodes_per_worker=N)``), the remedy for a library that leaks memory; the default
+``auto`` uses the pool's own per-environment default, ``never`` turns recycling off.
 Prints one JSON line with every number; docs/reliability.md records the runs.
 """
 
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=20, help="turn limit of each random episode")
     parser.add_argument("--warmup", type=int, default=None, help="episodes before the first memory reading "
                         "(default: 5%% of --episodes, at least one per worker)")
-    parser.add_argument("--recycle-after", type=int, default=None, help="replace a worker after N episodes")
+    parser.add_argument("--recycle-after", default="auto", help="replace a worker after N episodes; 'auto': the "
+                        "pool's default for this environment (pool.RECYCLE_AFTER); 'never'")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -74,7 +76,8 @@ def main() -> None:
     done = failed = steps = 0
     started = time.perf_counter()
     pool = EnvPool(args.env, {"split": args.split}, num_workers=args.workers,
-                   max_episodes_per_worker=args.recycle_after)
+                   max_episodes_per_worker=None if args.recycle_after == "never" else
+                   args.recycle_after if args.recycle_after == "auto" else int(args.recycle_after))
     try:
         for outcome in pool.run_episodes(jobs):
             done += 1
@@ -104,7 +107,8 @@ def main() -> None:
     steady = readings.get("end", {}).get("seconds", seconds) - readings.get("warmup", {}).get("seconds", 0.0)
     result = {
         "env": args.env, "episodes": done, "failed": failed, "env_steps": steps, "workers": args.workers,
-        "max_turns": args.max_turns, "recycle_after": args.recycle_after, "replaced_workers": pool.replaced_workers,
+        "max_turns": args.max_turns, "recycle_after": pool.max_episodes_per_worker,
+        "recycled_workers": pool.recycled_workers, "replaced_workers": pool.replaced_workers,
         "readings": readings,
         "rss_growth_after_warmup": round(end / base - 1.0, 3) if base and end else None,
         "episodes_per_s": round(done / seconds, 3), "seconds": round(seconds, 1),

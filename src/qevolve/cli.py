@@ -17,6 +17,7 @@ import typer
 from qevolve.buffer.store import StoreError
 from qevolve.config import ConfigError
 from qevolve.data.install import DataInstallError
+from qevolve.evolve.run_dir import RunError
 
 app = typer.Typer(help="Q-Evolve: self-evolving LLM agents with in-distribution optimisation.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -26,7 +27,7 @@ env_app = typer.Typer(help="Play environments with scripted policies.", no_args_
 app.add_typer(data_app, name="data")
 app.add_typer(env_app, name="env")
 
-USER_ERRORS = (ConfigError, DataInstallError, StoreError, FileNotFoundError, KeyError, ValueError)
+USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FileNotFoundError, KeyError, ValueError)
 
 
 def fail(message: str) -> None:
@@ -347,6 +348,8 @@ def evolve(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. iterations=2"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML EvolveConfig (e.g. configs/quickstart.yaml)"),
     resume: bool = typer.Option(False, help="continue the run after its last completed stage"),
+    redo: Optional[str] = typer.Option(None, "--redo", help="forget recorded stage STAGE (e.g. iter_1/critic) "
+                                       "and every later one, then resume from it"),
     show_config: bool = typer.Option(False, "--show-config", help="print every field with its default and exit"),
 ) -> None:
     """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
@@ -359,7 +362,7 @@ def evolve(
         return
     cfg = load_config(EvolveConfig, config, overrides or [])
     started = time.time()
-    table = run_evolve(cfg, resume=resume, log=typer.echo)
+    table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)
     typer.echo(f"\nsuccess rate ({cfg.env}; {', '.join(cfg.eval.splits)}), run {cfg.runs_dir}/{cfg.name}, "
                f"{(time.time() - started) / 60:.1f} min:")
     print_table(table)
@@ -370,7 +373,7 @@ def main() -> None:
         app()
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        typer.echo(f"error: {message}", err=True)
+        typer.echo(f"error: {' '.join(str(message).split())}", err=True)  # always one line
         sys.exit(2)
 
 
