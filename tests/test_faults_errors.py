@@ -51,7 +51,8 @@ def case_env(tmp_path, tiny_model_dir, monkeypatch):
     experts = tmp_path / "experts.parquet"
     experts.write_bytes(b"")  # only its existence is checked before the first stage
     base = [f"env={ENV}", f"model.name_or_path={tiny_model_dir}", f"bc.data.train_path={experts}",
-            f"buffer.expert_path={experts}", f"runs_dir={tmp_path / 'runs'}", "name=r", "tensorboard=false"]
+            f"buffer.expert_path={experts}", f"runs_dir={tmp_path / 'runs'}", "name=r", "tensorboard=false",
+            "critic.retrospective.enabled=false"]
     config = load_config(EvolveConfig, None, base)
     root = tmp_path / "runs" / "r"
     with RunDirectory(root, config.model_dump(mode="json"), config.seed) as run:
@@ -108,6 +109,8 @@ def cases(env) -> list[tuple[str, list[str], str, object]]:
         ("evolve: unknown environment", [*evolve, "name=r2", "env=nosuch"], "env 'nosuch'", None),
         ("evolve: missing expert data", [*evolve, "name=r2", "buffer.expert_path=nowhere.parquet"],
          "buffer.expert_path", None),
+        ("evolve: environment without r_aux penalties", [*evolve, "name=r2", "critic.retrospective.enabled=true"],
+         "critic.retrospective.penalties", None),
         ("evolve: bad override value", [*evolve, "name=r2", "iterations=two"], "override 'iterations=two'", None),
         ("evolve: bad override with a YAML file", ["evolve", "--config", str(yaml_file), *base, "name=r2",
                                                    "critic.epochs=-1"], "override 'critic.epochs=-1'", None),

@@ -158,6 +158,11 @@ def validate_inputs(config: EvolveConfig) -> None:
             raise ValueError(f"{field} {split!r}: {err}") from None
         if not tasks:
             raise ValueError(f"{field} {split!r}: environment {config.env!r} has no tasks in this split")
+    if config.iterations and config.critic.retrospective.enabled and \
+            config.env not in config.critic.retrospective.penalties:
+        raise ValueError(f"critic.retrospective.penalties: no entry for environment {config.env!r} (have "
+                         f"{sorted(config.critic.retrospective.penalties)}); add one or set "
+                         "critic.retrospective.enabled=false")
     for field, path, hub in (("init_checkpoint", config.init_checkpoint, config.model.hub),
                              ("critic.init", config.critic.init, False),
                              ("model.name_or_path", config.model.name_or_path, config.model.hub)):
