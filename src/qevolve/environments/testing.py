@@ -1,7 +1,9 @@
 """A tiny deterministic environment for tests and as an example of a user environment.
 
 The task ``count-N`` is won by saying ``next`` N times; ``wait S`` sleeps S seconds (to exercise
-the pool's timeouts) and ``crash`` kills the process (to exercise worker replacement). Register it
+the pool's timeouts), ``crash`` kills the process (to exercise worker replacement) and ``spawn``
+starts a child process that sleeps (as a simulator's JVM would live beside its worker), answering
+``child PID``. Register it
 under any name with ``register_environment`` or refer to it as
 ``qevolve.environments.testing:CounterEnv``.
 """
@@ -9,6 +11,8 @@ under any name with ``register_environment`` or refer to it as
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from qevolve.environments.base import Environment, StepResult
@@ -37,6 +41,9 @@ class CounterEnv(Environment):
     def step(self, action: str) -> StepResult:
         if action == "crash":
             os._exit(17)
+        if action == "spawn":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            return StepResult(f"child {child.pid}", 0.0, False, {"won": False, "score": 0.0, "valid_action": True})
         if action.startswith("wait "):
             time.sleep(float(action.split()[1]))
         valid = action == "next"
