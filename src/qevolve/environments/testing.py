@@ -21,6 +21,7 @@ from qevolve.environments.base import Environment, StepResult
 class CounterEnv(Environment):
     name = "counter"
     instruction = "Say `next` until the counter reaches the target."
+    show_pid = True  # the first observation names the worker process (pool tests route slots by it)
 
     def __init__(self, split: str = "train", max_turns: int = 20):
         self._max_turns = max_turns
@@ -36,7 +37,7 @@ class CounterEnv(Environment):
     def reset(self, task_id: str) -> str:
         self.target = int(task_id.split("-")[1])
         self.count = 0
-        return f"Your task is to: count to {self.target}. pid {os.getpid()}"
+        return f"Your task is to: count to {self.target}." + (f" pid {os.getpid()}" if self.show_pid else "")
 
     def step(self, action: str) -> StepResult:
         if action == "crash":
@@ -59,3 +60,10 @@ class CounterEnv(Environment):
 
     def expert_actions(self) -> list[str]:
         return ["next"] * (self.target - self.count)
+
+
+class QuietCounterEnv(CounterEnv):
+    """The counter without the pid in its observations: the same run twice sees the same text
+    (``qevolve.environments.testing:QuietCounterEnv``, used by the fault-injection tests)."""
+
+    show_pid = False
