@@ -7,7 +7,9 @@ Episodes cycle over the split's tasks with the seeded random policy (uniform ove
 actions, at most ``--max-turns`` turns), played inside the pool's workers exactly as
 ``qevolve env play`` plays them. The resident memory of each worker *with its descendants* (the
 JVM for ScienceWorld) is read with psutil after the warm-up episodes, at the middle and at the end;
-growth is measured from the warm-up point. After the pool closes, the script counts the processes
+growth is measured from the warm-up point, both of the mean at the end and of the largest worker
+seen after any episode (``peak_growth_after_warmup``, the bound recycling must keep small).
+After the pool closes, the script counts the processes
 still alive that it started (children of this process, and any JVM that was a worker's child).
 
 ``--recycle-after N`` asks the pool to replace each worker after it has played N episodes
@@ -74,6 +76,7 @@ def main() -> None:
     seen_descendants: set[int] = set()
     me = psutil.Process()
     done = failed = steps = 0
+    peak = 0.0  # the largest worker (with children) after the warm-up, sampled after every episode
     started = time.perf_counter()
     pool = EnvPool(args.env, {"split": args.split}, num_workers=args.workers,
                    max_episodes_per_worker=None if args.recycle_after == "never" else
@@ -84,7 +87,10 @@ def main() -> None:
             failed += outcome.failed
             steps += outcome.steps
             for pid in pool.worker_pids():
-                seen_descendants.update(tree_rss_mb(pid)[1])
+                rss, descendants = tree_rss_mb(pid)
+                seen_descendants.update(descendants)
+                if done > warmup:
+                    peak = max(peak, rss)
             for tag, at in checkpoints.items():
                 if done == at:
                     per_worker = [round(tree_rss_mb(pid)[0], 1) for pid in pool.worker_pids()]
@@ -111,6 +117,7 @@ def main() -> None:
         "recycled_workers": pool.recycled_workers, "replaced_workers": pool.replaced_workers,
         "readings": readings,
         "rss_growth_after_warmup": round(end / base - 1.0, 3) if base and end else None,
+        "peak_rss_mb": round(peak, 1), "peak_growth_after_warmup": round(peak / base - 1.0, 3) if base else None,
         "episodes_per_s": round(done / seconds, 3), "seconds": round(seconds, 1),
         "steady_episodes_per_s": round((done - warmup) / steady, 3) if steady > 0 else None,
         "processes_left": len(left), "worker_descendants_left": len(leaked_descendants), "jvms_left": len(jvms),
