@@ -187,9 +187,9 @@ def test_no_network_for_a_missing_local_name(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_download)
     for name in ("bad/no_ckpt", "some-org/some-model", "./missing"):
-        with pytest.raises(ValueError, match="no such folder"):
+        with pytest.raises(ValueError, match="folder not found"):
             load_policy(ModelConfig(name_or_path=name, device="cpu"))
-    with pytest.raises(ValueError, match="no such folder"):
+    with pytest.raises(ValueError, match="folder not found"):
         load_policy(ModelConfig(name_or_path="./missing", hub=True, device="cpu"))
 
 

@@ -231,7 +231,7 @@ def _resolve_source(name_or_path: str, field: str = "model.name_or_path", allow_
     if allow_hub and not name_or_path.startswith((".", "/", "~")):
         return name_or_path  # a hub name, downloaded by transformers
     hint = "" if allow_hub else " (a hub name is downloaded only with model.hub=true)"
-    raise ValueError(f"{field} {name_or_path!r}: no such folder{hint}")
+    raise ValueError(f"{field} {name_or_path!r}: folder not found{hint}")
 
 
 def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
