@@ -189,8 +189,9 @@ class PoolError(RuntimeError):
 
 #: Episodes after which :meth:`EnvPool.run_episodes` replaces a worker by default ("auto"), for
 #: simulators whose memory grows without bound. ALFWorld (TextWorld): worker RSS rose 158 -> 201 MiB
-#: (+27%) over 200 random episodes with no plateau (benchmarks/soak.py, docs/reliability.md).
-RECYCLE_AFTER: dict[str, int] = {"alfworld": 50}
+#: (+27%) over 200 random episodes with no plateau, about 0.2 MiB per episode; recycled every 50
+#: episodes a worker still peaked at 179 MiB (+14%), so every 25 (benchmarks/soak.py, docs/reliability.md).
+RECYCLE_AFTER: dict[str, int] = {"alfworld": 25}
 
 
 class EnvPool:
