@@ -34,6 +34,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 STAGES = ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
           "iter_1/policy", "iter_1/eval_seen"]
 TIMING = re.compile(r"second|date|finished|wall|per_s|elapsed")
+STAGING = re.compile(r"\.[\w-]+\.partial-\w+")  # a stage's temporary folder (random name) before its rename
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,13 @@ def assert_all_gone(processes: list[psutil.Process], timeout: float = 30.0) -> N
 def normalise(value, root: str):
     """Drop wall-clock fields and the run's own location, recursively."""
     if isinstance(value, dict):
-        return {k: normalise(v, root) for k, v in value.items() if not TIMING.search(str(k))}
+        # peft writes target_modules from a set: its order follows the process's hash seed
+        return {k: sorted(v) if k == "target_modules" and isinstance(v, list) else normalise(v, root)
+                for k, v in value.items() if not TIMING.search(str(k))}
     if isinstance(value, (list, tuple)):
         return [normalise(v, root) for v in value]
     if isinstance(value, str):
-        return value.replace(root, "<run>")
+        return STAGING.sub("<staging>", value.replace(root, "<run>"))
     if isinstance(value, torch.Tensor):
         return value.tolist()
     return value
@@ -133,7 +136,7 @@ def stage_outputs(root: Path) -> dict[str, object]:
             elif path.suffix == ".pt":
                 value = torch.load(path, map_location="cpu", weights_only=False)
             else:
-                value = path.read_bytes().replace(str(root).encode(), b"<run>")
+                value = re.compile(STAGING.pattern.encode()).sub(b"<staging>", path.read_bytes().replace(str(root).encode(), b"<run>"))
             result[rel] = normalise(value, str(root))
     return result
 
