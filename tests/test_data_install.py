@@ -45,7 +45,8 @@ def test_corrupted_archive_is_rejected_and_leaves_nothing(tmp_path):
     root = tmp_path / "data"
     with pytest.raises(DataInstallError, match=r"expert_gt_traj_json_2\.1\.1\.tar\.gz: sha256 .* does not match"):
         install_dataset("alfworld", source, root, log=lambda m: None)
-    assert list(root.iterdir()) == []  # no half-installed folder, no temp leftovers
+    # no half-installed folder, no temp leftovers (only the install's lock file stays)
+    assert [p.name for p in root.iterdir()] == [".alfworld.install.lock"]
 
 
 def test_missing_file_and_foreign_folder(tmp_path):
