@@ -55,7 +55,7 @@ def test_missing_file_and_foreign_folder(tmp_path):
     root = tmp_path / "data"
     with pytest.raises(DataInstallError, match="missing file .*eto_max_steps.json"):
         install_dataset("sciworld", source, root)
-    assert list(root.iterdir()) == []
+    assert [p.name for p in root.iterdir()] == [".sciworld.install.lock"]
     (root / "sciworld").mkdir()
     (root / "sciworld" / "half.json").write_text("{}")
     with pytest.raises(DataInstallError, match="not a complete install .* pass --force"):
