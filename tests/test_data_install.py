@@ -45,7 +45,8 @@ def test_corrupted_archive_is_rejected_and_leaves_nothing(tmp_path):
     root = tmp_path / "data"
     with pytest.raises(DataInstallError, match=r"expert_gt_traj_json_2\.1\.1\.tar\.gz: sha256 .* does not match"):
         install_dataset("alfworld", source, root, log=lambda m: None)
-    assert list(root.iterdir()) == []  # no half-installed folder, no temp leftovers
+    # no half-installed folder, no temp leftovers (only the install's lock file stays)
+    assert [p.name for p in root.iterdir()] == [".alfworld.install.lock"]
 
 
 def test_missing_file_and_foreign_folder(tmp_path):
@@ -54,7 +55,7 @@ def test_missing_file_and_foreign_folder(tmp_path):
     root = tmp_path / "data"
     with pytest.raises(DataInstallError, match="missing file .*eto_max_steps.json"):
         install_dataset("sciworld", source, root)
-    assert list(root.iterdir()) == []
+    assert [p.name for p in root.iterdir()] == [".sciworld.install.lock"]
     (root / "sciworld").mkdir()
     (root / "sciworld" / "half.json").write_text("{}")
     with pytest.raises(DataInstallError, match="not a complete install .* pass --force"):

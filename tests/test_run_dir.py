@@ -17,9 +17,10 @@ def test_stages_are_recorded_once_and_skipped_on_resume(tmp_path):
     rec = run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
     assert rec.outputs == {"file": "bc/out.txt"}
     assert (tmp_path / "r/bc/out.txt").read_text() == "x"
+    run.close()  # releases the run's lock
     with pytest.raises(RunError, match="already holds a run"):
         RunDirectory(tmp_path / "r", {"a": 1}, seed=0)
-    with pytest.raises(RunError, match="different config"):
+    with pytest.raises(RunError, match="started with a=1, this config has a=2"):
         RunDirectory(tmp_path / "r", {"a": 2}, seed=0, resume=True)
     again = RunDirectory(tmp_path / "r", {"a": 1}, seed=0, resume=True)
     calls = []
@@ -40,6 +41,7 @@ def test_killed_stage_leaves_nothing_and_resume_matches_uninterrupted(tmp_path):
         run.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, killed, log=lambda m: None)
     assert not (tmp_path / "a/iter_1/critic").exists()
     assert not list((tmp_path / "a").glob("**/.*partial*"))
+    run.close()
     resumed = RunDirectory(tmp_path / "a", {"k": 1}, seed=0, resume=True)
     resumed.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, stage_writer("y", 2.0), log=lambda m: None)
 

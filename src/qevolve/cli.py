@@ -25,6 +25,7 @@ import typer  # noqa: E402
 from qevolve.buffer.store import StoreError  # noqa: E402
 from qevolve.config import ConfigError  # noqa: E402
 from qevolve.data.install import DataInstallError  # noqa: E402
+from qevolve.evolve.run_dir import RunError  # noqa: E402
 
 app = typer.Typer(help="Q-Evolve: self-evolving LLM agents with in-distribution optimisation.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -34,7 +35,7 @@ env_app = typer.Typer(help="Play environments with scripted policies.", no_args_
 app.add_typer(data_app, name="data")
 app.add_typer(env_app, name="env")
 
-USER_ERRORS = (ConfigError, DataInstallError, StoreError, FileNotFoundError, KeyError, ValueError)
+USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FileNotFoundError, KeyError, ValueError)
 
 
 def fail(message: str) -> None:
@@ -424,6 +425,8 @@ def evolve(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. iterations=2"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML EvolveConfig (e.g. configs/quickstart.yaml)"),
     resume: bool = typer.Option(False, help="continue the run after its last completed stage"),
+    redo: Optional[str] = typer.Option(None, "--redo", help="forget recorded stage STAGE (e.g. iter_1/critic) "
+                                       "and every later one, then resume from it"),
     show_config: bool = show_config_option("qevolve.evolve.loop:EvolveConfig"),
 ) -> None:
     """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
@@ -432,7 +435,7 @@ def evolve(
 
     cfg = load_config(EvolveConfig, config, overrides or [])
     started = time.time()
-    table = run_evolve(cfg, resume=resume, log=typer.echo)
+    table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)
     typer.echo(f"\nsuccess rate ({cfg.env}; {', '.join(cfg.eval.splits)}), run {cfg.runs_dir}/{cfg.name}, "
                f"{(time.time() - started) / 60:.1f} min:")
     print_table(table)
@@ -446,7 +449,7 @@ def main() -> None:
         app()
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        typer.echo(f"error: {message}", err=True)
+        typer.echo(f"error: {' '.join(str(message).split())}", err=True)  # always one line
         sys.exit(2)
 
 

@@ -100,11 +100,23 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
-    """Load ``cls`` from an optional YAML file plus ``key=value`` overrides."""
+    """Load ``cls`` from an optional YAML file plus ``key=value`` overrides.
+
+    An invalid value is blamed on the override that set it (``override 'epochs=x': ...``), else on
+    the YAML file."""
     tree = read_yaml(path) if path is not None else {}
     apply_overrides(tree, overrides)
     source = str(path) if path is not None else "config"
-    return build_config(cls, tree, source)
+    try:
+        return cls.model_validate(tree)
+    except ValidationError as err:
+        loc = [str(p) for p in err.errors()[0]["loc"]]
+        for item in reversed(overrides or []):  # the last override of a key is the one that counts
+            key = [part.strip() for part in item.partition("=")[0].split(".")]
+            if loc and (loc[:len(key)] == key or key[:len(loc)] == loc):
+                source = f"override {item!r}"
+                break
+        raise ConfigError(_format_validation_error(err, source)) from None
 
 
 def describe_config(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:

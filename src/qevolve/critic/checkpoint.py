@@ -22,3 +22,26 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def relative_to_folder(path: str | Path, folder: str | Path) -> str | None:
+    """``path`` relative to ``folder`` (``../../bc/final``) when both lie in one run directory, so a
+    moved or renamed run still finds it; None when ``path`` is not a local folder or shares no
+    ancestor with ``folder`` below the filesystem root."""
+    target, base = Path(path).expanduser().resolve(), Path(folder).expanduser().resolve()
+    if not target.exists():
+        return None
+    common = Path(os.path.commonpath([target, base]))
+    if common == Path(common.anchor):
+        return None
+    return os.path.relpath(target, base)
+
+
+def recorded_path(absolute: str, relative: str | None, folder: str | Path) -> str:
+    """The path a checkpoint recorded: ``relative`` (to the checkpoint's folder) when it exists,
+    else the absolute one it was saved with."""
+    if relative is not None:
+        candidate = Path(folder) / relative
+        if candidate.exists():
+            return str(candidate)
+    return absolute

@@ -27,7 +27,7 @@ from qevolve.buffer.store import Episode, usable_episodes
 from qevolve.config import dump_config
 from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
-from qevolve.critic.checkpoint import atomic_torch_save
+from qevolve.critic.checkpoint import atomic_torch_save, recorded_path, relative_to_folder
 from qevolve.critic.config import CriticConfig
 from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint, token_budget_batches
 from qevolve.critic.iql import iql_losses
@@ -264,6 +264,7 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
                             global_step, state_path)  # never a non-finite critic.pt
     atomic_torch_save({
         "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
+        "init_relative": relative_to_folder(init_path, output),  # survives moving the run folder
         "fingerprint": fingerprint, "hidden_size": critic.heads.v[0].in_features,
         "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
         "backbone": critic.trainable_backbone_state(), "history": history,
@@ -284,12 +285,13 @@ def load_critic(folder: str | Path, device: str | None = None) -> Critic:
     config = CriticConfig.model_validate(saved["config"])
     if device is not None:
         config.device = device
-    critic = build_critic(config, saved["init"], resolve_device(config.device))
+    init = recorded_path(saved["init"], saved.get("init_relative"), path.parent)
+    critic = build_critic(config, init, resolve_device(config.device))
     critic.heads.load_state_dict(saved["heads"])
     critic.target_q.load_state_dict(saved["target_q"])
     if saved["backbone"]:
         critic.backbone.load_state_dict(saved["backbone"], strict=False)
-    critic.init_path = saved["init"]  # type: ignore[attr-defined]
+    critic.init_path = init  # type: ignore[attr-defined]
     critic.source = str(path)  # type: ignore[attr-defined]
     return critic.eval()
 

@@ -8,6 +8,8 @@ second install of a complete dataset is a no-op.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +19,7 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from qevolve.paths import data_dir, shared_data_dir
 
@@ -170,6 +173,40 @@ def install_dataset(name: str, source: Path | None = None, root: Path | None = N
             "remove it or pass --force"
         )
     root.mkdir(parents=True, exist_ok=True)
+    with _install_lock(root, name):
+        removed = clean_stale_staging(root, name)
+        if removed:
+            log(f"{name}: removed {removed} staging folder(s) left by an interrupted install")
+        return _install_locked(name, source, root, target, log)
+
+
+@contextlib.contextmanager
+def _install_lock(root: Path, name: str) -> Iterator[None]:
+    """An exclusive lock on ``root/.NAME.install.lock``: one install of a dataset at a time, and a
+    staging folder found while holding it belongs to an install that died (the kernel drops the
+    lock of a killed process)."""
+    path = root / f".{name}.install.lock"
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataInstallError(f"{path}: another process is installing {name!r}; wait for it to finish") \
+                from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def clean_stale_staging(root: Path, name: str) -> int:
+    """Remove ``.NAME.partial-*`` and ``.NAME.old-*`` folders (call only under the install lock)."""
+    stale = [*root.glob(f".{name}.partial-*"), *root.glob(f".{name}.old-*")]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(stale)
+
+
+def _install_locked(name: str, source: Path | None, root: Path, target: Path, log) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=root))
     try:
         scratch = staging / ".download"

@@ -1,7 +1,9 @@
 """A tiny deterministic environment for tests and as an example of a user environment.
 
 The task ``count-N`` is won by saying ``next`` N times; ``wait S`` sleeps S seconds (to exercise
-the pool's timeouts) and ``crash`` kills the process (to exercise worker replacement). Register it
+the pool's timeouts), ``crash`` kills the process (to exercise worker replacement) and ``spawn``
+starts a child process that sleeps (as a simulator's JVM would live beside its worker), answering
+``child PID``. Register it
 under any name with ``register_environment`` or refer to it as
 ``qevolve.environments.testing:CounterEnv``.
 """
@@ -9,6 +11,8 @@ under any name with ``register_environment`` or refer to it as
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from qevolve.environments.base import Environment, StepResult
@@ -17,6 +21,7 @@ from qevolve.environments.base import Environment, StepResult
 class CounterEnv(Environment):
     name = "counter"
     instruction = "Say `next` until the counter reaches the target."
+    show_pid = True  # the first observation names the worker process (pool tests route slots by it)
 
     def __init__(self, split: str = "train", max_turns: int = 20, partial_score: bool = False):
         self._max_turns = max_turns
@@ -33,11 +38,14 @@ class CounterEnv(Environment):
     def reset(self, task_id: str) -> str:
         self.target = int(task_id.split("-")[1])
         self.count = 0
-        return f"Your task is to: count to {self.target}. pid {os.getpid()}"
+        return f"Your task is to: count to {self.target}." + (f" pid {os.getpid()}" if self.show_pid else "")
 
     def step(self, action: str) -> StepResult:
         if action == "crash":
             os._exit(17)
+        if action == "spawn":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            return StepResult(f"child {child.pid}", 0.0, False, {"won": False, "score": 0.0, "valid_action": True})
         if action.startswith("wait "):
             time.sleep(float(action.split()[1]))
         valid = action == "next"
@@ -54,3 +62,10 @@ class CounterEnv(Environment):
 
     def expert_actions(self) -> list[str]:
         return ["next"] * (self.target - self.count)
+
+
+class QuietCounterEnv(CounterEnv):
+    """The counter without the pid in its observations: the same run twice sees the same text
+    (``qevolve.environments.testing:QuietCounterEnv``, used by the fault-injection tests)."""
+
+    show_pid = False

@@ -217,10 +217,49 @@ def _iteration_of(stage: str) -> int:
     return 0 if stage.startswith("bc") else int(stage.split("/")[0].split("_")[1])
 
 
+def validate_inputs(config: EvolveConfig) -> None:
+    """Fail in seconds, before the first stage, on what would otherwise fail after BC: an unknown
+    environment, a split it does not have, a missing or damaged checkpoint, missing expert data."""
+    from qevolve.environments.play import list_tasks
+    from qevolve.policy.model import check_checkpoint
+
+    splits = [("rollout.split", config.rollout.split)] if config.iterations else []
+    splits += [(f"eval.splits[{i}]", split) for i, split in enumerate(config.eval.splits)]
+    for field, split in splits:
+        try:
+            tasks = list_tasks(config.env, split)
+        except KeyError as err:  # unknown environment
+            raise ValueError(f"env {config.env!r}: {err.args[0] if err.args else err}") from None
+        except ValueError as err:
+            raise ValueError(f"{field} {split!r}: {err}") from None
+        if not tasks:
+            raise ValueError(f"{field} {split!r}: environment {config.env!r} has no tasks in this split")
+    if config.iterations and config.critic.retrospective.enabled and \
+            config.env not in config.critic.retrospective.penalties:
+        raise ValueError(f"critic.retrospective.penalties: no entry for environment {config.env!r} (have "
+                         f"{sorted(config.critic.retrospective.penalties)}); add one or set "
+                         "critic.retrospective.enabled=false")
+    for field, path, hub in (("init_checkpoint", config.init_checkpoint, config.model.hub),
+                             ("critic.init", config.critic.init, False),
+                             ("model.name_or_path", config.model.name_or_path, config.model.hub)):
+        if path and path != "default":
+            check_checkpoint(path, field, allow_hub=hub)
+    from qevolve.paths import data_dir
+
+    experts = data_dir() / "experts" / config.env
+    for field, path, needed in (("bc.data.train_path", config.bc.data.train_path, not config.init_checkpoint),
+                                ("buffer.expert_path", config.buffer.expert_path, config.iterations > 0)):
+        path = Path(path).expanduser() if path else experts
+        if needed and not path.exists():
+            raise FileNotFoundError(f"{field} {str(path)!r}: no such file or folder (build the expert set with "
+                                    f"`qevolve data expert {config.env}` or set {field})")
+
+
 def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,
-               stop_before: str | None = None) -> dict[str, Any]:
+               stop_before: str | None = None, redo: str | None = None) -> dict[str, Any]:
     """Run (or resume) the loop; returns the success-rate table. ``stop_before`` ends the run just
-    before the named stage starts (used to simulate a kill)."""
+    before the named stage starts (used to simulate a kill); ``redo`` forgets that recorded stage
+    and every later one, then resumes."""
     from qevolve.critic.train import load_critic, train_critic
     from qevolve.paths import data_dir
     from qevolve.policy.bc import run_bc
@@ -232,9 +271,14 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    validate_inputs(config)
     root = Path(config.runs_dir).expanduser() / config.name
-    run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume)
-    loggers = _Loggers(config, root)
+    run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume, redo=redo)
+    try:
+        loggers = _Loggers(config, root)
+    except BaseException:
+        run.close()
+        raise
     results: dict[str, dict[str, float]] = {}
 
     def rel(path: str) -> str:
@@ -452,6 +496,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     evaluate(prefix, str(root / v_policy.outputs["policy"]))
     finally:
         loggers.close()
+        run.close()
 
     table = success_table(run.manifest["stages"], config.eval.splits)
     (root / "results.json").write_text(json.dumps(table, indent=1))

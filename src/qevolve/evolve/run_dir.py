@@ -14,6 +14,7 @@ an uninterrupted run with the same seeds write the same manifest.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -28,6 +29,10 @@ from typing import Any, Callable
 MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"
 TIMINGS = "timings.jsonl"
+LOCK = ".lock"
+
+#: config fields that may differ on resume: where the run lives, not what it computes
+LOCATION_FIELDS = ("name", "runs_dir")
 
 TRACKED_PACKAGES = ("qevolve", "torch", "transformers", "peft", "alfworld", "textworld", "scienceworld", "pyarrow")
 
@@ -56,7 +61,26 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 
 class RunError(RuntimeError):
-    pass
+    """A user-facing problem with a run directory (the CLI prints it on one line, exit 2)."""
+
+
+def first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
+    """The dotted name of the first field where two config trees differ (None if equal)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old or key not in new:
+                return dotted
+            found = first_difference(old[key], new[key], dotted)
+            if found is not None:
+                return found
+        return None
+    return None if old == new else (prefix or "<root>")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -73,23 +97,98 @@ StageFn = Callable[[Path], tuple[dict[str, str], dict[str, Any]]]
 class RunDirectory:
     """``runs/NAME`` with its manifest. ``resume=False`` refuses to touch an existing run."""
 
-    def __init__(self, root: str | Path, config: dict[str, Any], seed: int, resume: bool = False):
+    def __init__(self, root: str | Path, config: dict[str, Any], seed: int, resume: bool = False,
+                 redo: str | None = None):
         self.root = Path(root)
         manifest_path = self.root / MANIFEST
-        if manifest_path.exists():
-            if not resume:
-                raise RunError(f"{self.root} already holds a run: pass --resume to continue it, or choose another name")
-            self.manifest = json.loads(manifest_path.read_text())
-            if self.manifest.get("config") != config:
-                raise RunError(f"{manifest_path}: the run was started with a different config; "
-                               "resume with the same config or start a new run")
-        else:
-            self.manifest = {"config": config, "seed": seed, "versions": package_versions(), "stages": []}
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._save()
-        # Leftovers of a stage that was killed mid-way.
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = self._acquire_lock()
+        try:
+            if manifest_path.exists():
+                if not resume and redo is None:
+                    raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue "
+                                   "it, or choose another name")
+                self.manifest = self._read_manifest(manifest_path)
+                old = {k: v for k, v in self.manifest["config"].items() if k not in LOCATION_FIELDS}
+                new = {k: v for k, v in config.items() if k not in LOCATION_FIELDS}
+                field = first_difference(old, new)
+                if field is not None:
+                    def at(tree: Any) -> Any:
+                        for part in field.split("."):
+                            tree = tree.get(part, "<missing>") if isinstance(tree, dict) else "<missing>"
+                        return tree
+                    raise RunError(f"{manifest_path}: the run was started with {field}={_short(at(old))}, "
+                                   f"this config has {field}={_short(at(new))}; resume with the same config "
+                                   "or start a new run")
+                if redo is not None:
+                    self._forget_from(redo)
+            else:
+                if redo is not None:
+                    raise RunError(f"--redo {redo}: {self.root} holds no run yet")
+                self.manifest = {"config": config, "seed": seed, "versions": package_versions(), "stages": []}
+                self._save()
+        except BaseException:
+            self.close()
+            raise
+        # Leftovers of a stage that was killed mid-way (no other process runs here: we hold the lock).
         for leftover in self.root.glob("**/.*.partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
+
+    def _acquire_lock(self):
+        """An exclusive ``flock`` on ``RUN/.lock`` for as long as this object lives (the kernel drops
+        it when the process dies, so a killed run never leaves a stale lock)."""
+        path = self.root / LOCK
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise RunError(f"{path}: another qevolve process (pid {holder}) is running this run; "
+                           "wait for it to finish or stop it first") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        return handle
+
+    def close(self) -> None:
+        """Release the run's lock."""
+        handle, self._lock = getattr(self, "_lock", None), None
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+
+    def __enter__(self) -> "RunDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _read_manifest(path: Path) -> dict[str, Any]:
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise RunError(f"{path}: not a readable run manifest ({str(err).splitlines()[0]}); restore it or "
+                           "start a new run") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict) or \
+                not isinstance(manifest.get("stages"), list):
+            raise RunError(f"{path}: not a run manifest (expected an object with 'config' and 'stages')")
+        return manifest
+
+    def _forget_from(self, name: str) -> None:
+        """``--redo NAME``: drop the record and the outputs of stage NAME and of every later stage."""
+        names = [stage["name"] for stage in self.manifest["stages"]]
+        if name not in names:
+            raise RunError(f"--redo {name}: {self.root / MANIFEST} records no such stage; recorded: "
+                           f"{', '.join(names) or 'none'}")
+        dropped = self.manifest["stages"][names.index(name):]
+        self.manifest["stages"] = self.manifest["stages"][:names.index(name)]
+        self._save()  # the record goes first: a kill now leaves folders that are redone anyway
+        for stage in dropped:
+            shutil.rmtree(self.root / stage["name"], ignore_errors=True)
 
     # -- manifest ------------------------------------------------------------------------------
 
@@ -120,6 +219,10 @@ class RunDirectory:
         """
         done = self.completed(name)
         if done is not None:
+            missing = [value for value in done.outputs.values() if not (self.root / value).exists()]
+            if missing:
+                raise RunError(f"{self.root / missing[0]}: recorded as an output of stage {name} but missing; "
+                               f"rerun with --redo {name}")
             log(f"[{name}] done earlier, skipped (resume)")
             return done
         target = self.root / name

@@ -40,7 +40,7 @@ from pydantic import Field
 from qevolve.config import StageConfig
 
 __all__ = ["LoraSettings", "ModelConfig", "Policy", "load_policy", "resolve_precision", "cpu_has_fast_bf16",
-           "unwrap_model", "trainable_state_dict", "load_trainable_state"]
+           "unwrap_model", "trainable_state_dict", "load_trainable_state", "check_checkpoint", "check_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,10 @@ class ModelConfig(StageConfig):
     """Which causal LM the policy is, and how it is held in memory."""
 
     name_or_path: str = Field("default", description="'default' (embedded SmolLM2-135M-Instruct), a model "
-                              "folder, a qevolve checkpoint folder, or a hub name")
+                              "folder, a qevolve checkpoint folder, or a hub name (with hub: true)")
+    hub: bool = Field(False, description="allow downloading name_or_path from the Hugging Face hub when it is "
+                      "not a local folder (false: a missing folder is an immediate error and nothing contacts "
+                      "the network)")
     precision: Precision = Field("auto", description="fp32 | bf16 | bf16-autocast | auto (bf16-autocast where "
                                  "bf16 matrix multiplies are fast, else fp32)")
     acting_precision: Literal["auto", "same", "fp32", "bf16", "bf16-autocast"] = Field(
@@ -192,7 +195,40 @@ def unwrap_model(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _resolve_source(name_or_path: str) -> str:
+def check_safetensors(path: str | Path) -> None:
+    """Raise a one-line :class:`ValueError` naming ``path`` if it is not a whole safetensors file.
+
+    Reads only the header: 8 bytes of length, a JSON table of tensors with their byte offsets; a
+    file cut short (an interrupted copy or save) is shorter than the largest offset it declares.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise ValueError(f"{path}: not a complete safetensors file ({size} bytes, header unreadable); "
+                             "the file is truncated or damaged: save or copy it again")
+        try:
+            header = json.loads(handle.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError(f"{path}: not a complete safetensors file (header is not JSON); save or copy it "
+                             "again") from None
+    end = max((entry["data_offsets"][1] for key, entry in header.items()
+               if key != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry), default=0)
+    if 8 + length + end > size:
+        raise ValueError(f"{path}: truncated safetensors file ({size} bytes, its header needs "
+                         f"{8 + length + end}); save or copy it again")
+
+
+def check_checkpoint(name_or_path: str, field: str = "model.name_or_path", allow_hub: bool = False) -> None:
+    """Cheap checks of a model or checkpoint folder, before any work: it exists (or is a hub name
+    and ``allow_hub``), holds config.json or adapter_config.json, its safetensors files are whole,
+    and an adapter's base model passes the same checks."""
+    _resolve_source(name_or_path, field, allow_hub)
+
+
+def _resolve_source(name_or_path: str, field: str = "model.name_or_path", allow_hub: bool = False) -> str:
     if name_or_path == "default":
         from qevolve.policy.default_model import ensure_default_model
 
@@ -200,14 +236,24 @@ def _resolve_source(name_or_path: str) -> str:
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"model.name_or_path {name_or_path!r}: not a folder")
+            raise ValueError(f"{field} {name_or_path!r}: not a folder")
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-            raise ValueError(f"model.name_or_path {name_or_path!r}: folder holds neither config.json nor "
+            raise ValueError(f"{field} {name_or_path!r}: folder holds neither config.json nor "
                              f"adapter_config.json")
+        for weights in sorted(path.glob("*.safetensors")):
+            check_safetensors(weights)
+        if (path / "adapter_config.json").is_file():
+            try:
+                base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            except ValueError:
+                raise ValueError(f"{path / 'adapter_config.json'}: not valid JSON") from None
+            _resolve_source(base or "default", f"{path / 'adapter_config.json'}: base_model_name_or_path",
+                            allow_hub)
         return str(path)
-    if name_or_path.startswith((".", "/", "~")):
-        raise ValueError(f"model.name_or_path {name_or_path!r}: folder not found")
-    return name_or_path  # a hub name
+    if allow_hub and not name_or_path.startswith((".", "/", "~")):
+        return name_or_path  # a hub name, downloaded by transformers
+    hint = "" if allow_hub else " (a hub name is downloaded only with model.hub=true)"
+    raise ValueError(f"{field} {name_or_path!r}: folder not found{hint}")
 
 
 def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
@@ -222,20 +268,23 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
-    source = _resolve_source(config.name_or_path)
+    source = _resolve_source(config.name_or_path, allow_hub=config.hub)
     adapter_folder = Path(source) if (Path(source) / "adapter_config.json").is_file() else None
     base_source = source
     if adapter_folder is not None:
         adapter_info = json.loads((adapter_folder / "adapter_config.json").read_text())
-        base_source = _resolve_source(adapter_info.get("base_model_name_or_path") or "default")
+        base_source = _resolve_source(adapter_info.get("base_model_name_or_path") or "default",
+                                      f"{adapter_folder / 'adapter_config.json'}: base_model_name_or_path",
+                                      config.hub)
+    offline = {} if config.hub else {"local_files_only": True}  # never a network call unless asked for
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     if config.attn_implementation == "packed_sdpa":
         from qevolve.policy.attention import register_packed_attention
 
         register_packed_attention()
     model = AutoModelForCausalLM.from_pretrained(base_source, dtype=dtype,
-                                                 attn_implementation=config.attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(adapter_folder or source)
+                                                 attn_implementation=config.attn_implementation, **offline)
+    tokenizer = AutoTokenizer.from_pretrained(adapter_folder or source, **offline)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
