@@ -6,6 +6,7 @@ stopped (episodes already in the shards are skipped). ``eval`` also writes ``met
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from qevolve.evaluation.metrics import episode_metrics
 from qevolve.evolve.run_dir import package_versions, write_json_atomic
 from qevolve.policy.model import ModelConfig, load_policy
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
-from qevolve.rollouts.agent import AgentConfig, expand_jobs, run_agent
-from qevolve.rollouts.generation import HFGenerationBackend
+from qevolve.rollouts.agent import AgentConfig, expand_jobs, resolve_backend, run_agent
+from qevolve.rollouts.generation import GenerationBackend, HFGenerationBackend
+
+log = logging.getLogger(__name__)
 
 
 class RolloutConfig(StageConfig):
@@ -44,26 +47,71 @@ def select_tasks(tasks: list[str], stride: int, limit: int | None) -> list[str]:
     return picked[:limit] if limit is not None else picked
 
 
-def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
-    """Act on the configured split; write shards into ``output`` (resumable). Returns metrics."""
-    output.mkdir(parents=True, exist_ok=True)
-    done_ids = {ep.episode_id for path in shard_paths(output) for ep in read_episodes(path)}
-    tasks = select_tasks(list_tasks(config.env, config.split), config.task_stride, config.limit)
-    jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
-            if job[0] not in done_ids]
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The checkpoint's tokeniser alone (the vllm backend holds the weights), as load_policy sets it up."""
+    from transformers import AutoTokenizer
+
+    from qevolve.policy.model import _resolve_source
+
+    source = Path(_resolve_source(model.name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_backend(config: RolloutConfig, policy: Any, tokenizer: Any, stop_ids: list[int]) -> GenerationBackend:
+    """The configured generation backend (``agent.backend``) for the checkpoint ``config.model``.
+
+    ``auto`` takes vllm where it is installed and falls back to hf, with a logged reason, when the
+    engine cannot serve this checkpoint (e.g. a head size its CPU kernels lack); ``vllm`` raises."""
+    name = resolve_backend(config.agent.backend)
+    if name == "vllm":
+        from qevolve.policy.model import _resolve_source
+        from qevolve.rollouts.vllm_backend import backend_for_checkpoint
+
+        try:
+            return backend_for_checkpoint(_resolve_source(config.model.name_or_path), config.agent.vllm, stop_ids)
+        except Exception as err:  # noqa: BLE001 - auto falls back, explicit vllm does not
+            if config.agent.backend == "vllm":
+                raise
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            log.warning("agent.backend auto: vLLM cannot serve %s (%s); generating with hf",
+                        config.model.name_or_path, first_line)
     if policy is None:
         policy = load_policy(config.model, trainable=False)
-    builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     autocast = None
     if policy.precision == "bf16-autocast":
         import torch
 
         autocast = torch.bfloat16
+    return HFGenerationBackend(policy.model, stop_ids, tokenizer.pad_token_id or 0,
+                               reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast)
+
+
+def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
+    """Act on the configured split; write shards into ``output`` (resumable). Returns metrics.
+
+    The generation backend is ``config.agent.backend``: hf runs ``policy`` (loaded from
+    ``config.model`` when not given); vllm serves the checkpoint folder ``config.model.name_or_path``
+    in the process's engine (reloaded in place when the checkpoint changed, see
+    :mod:`qevolve.rollouts.vllm_backend`)."""
+    output.mkdir(parents=True, exist_ok=True)
+    done_ids = {ep.episode_id for path in shard_paths(output) for ep in read_episodes(path)}
+    tasks = select_tasks(list_tasks(config.env, config.split), config.task_stride, config.limit)
+    jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
+            if job[0] not in done_ids]
+    use_vllm = resolve_backend(config.agent.backend) == "vllm"
+    if policy is None and not use_vllm:
+        policy = load_policy(config.model, trainable=False)
+    # With vllm the engine serves the weights of config.model.name_or_path; a given policy only lends its tokeniser.
+    tokenizer = policy.tokenizer if policy is not None else load_tokenizer(config.model)
+    builder = PromptBuilder.for_environment(tokenizer, config.prompt, config.env)
     stop_ids = list(builder.formatter.eot_ids[-1:])
-    if policy.tokenizer.eos_token_id is not None:
-        stop_ids.append(policy.tokenizer.eos_token_id)
-    backend = HFGenerationBackend(policy.model, stop_ids, policy.tokenizer.pad_token_id or 0,
-                                  reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast)
+    if tokenizer.eos_token_id is not None:
+        stop_ids.append(tokenizer.eos_token_id)
+    backend = build_backend(config, policy, tokenizer, stop_ids)
+    backend_name = "vllm" if type(backend).__name__ == "VLLMGenerationBackend" else "hf"
     shard_index = len(shard_paths(output))
     pending: list[Episode] = []
 
@@ -71,7 +119,8 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         nonlocal shard_index
         if pending:
             write_shard(output, shard_index, pending, {"env": config.env, "split": config.split,
-                                                       "checkpoint": config.model.name_or_path})
+                                                       "checkpoint": config.model.name_or_path,
+                           "generation_backend": metrics["generation_backend"]})
             shard_index += 1
             pending.clear()
 
@@ -80,7 +129,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         if len(pending) >= config.shard_size:
             flush()
 
-    result = run_agent(config.env, config.split, jobs, backend, builder, policy.tokenizer, config.agent,
+    result = run_agent(config.env, config.split, jobs, backend, builder, tokenizer, config.agent,
                        source=config.source, progress=progress, on_episode=on_episode)
     flush()
     episodes = read_episodes(output) if shard_paths(output) else []
@@ -91,7 +140,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         "tokens_generated_this_run": result.tokens_generated,
         "generated_tokens_per_second": round(result.tokens_generated / result.generation_seconds, 2)
         if result.generation_seconds else 0.0,
-        "failed": [list(f) for f in result.failed],
+        "failed": [list(f) for f in result.failed], "generation_backend": backend_name,
     })
     return metrics
 
@@ -103,7 +152,8 @@ def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=
                            "task_stride": config.task_stride, "max_turns": config.agent.max_turns,
                            "decoding": "greedy" if config.agent.temperature <= 0 else
                            f"T={config.agent.temperature}, top_p={config.agent.top_p}",
-                           "checkpoint": config.model.name_or_path}
+                           "checkpoint": config.model.name_or_path,
+                           "generation_backend": metrics["generation_backend"]}
     metrics["versions"] = package_versions()
     metrics["date"] = time.strftime("%Y-%m-%d")
     write_json_atomic(output / "metrics.json", metrics)
