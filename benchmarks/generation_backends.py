@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm", default="bfloat16", help="vLLM dtypes to run (bfloat16, float32; '' none)")
     parser.add_argument("--eager", action="store_true", help="vLLM without compilation (starts faster)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the HF backend")
-    parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM CPU KV cache")
+    parser.add_argument("--kv-cache-gb", type=int, default=2, help="vLLM CPU KV cache")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)

@@ -320,7 +320,7 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
         spec.config().save_pretrained(folder)  # the architecture only: vLLM draws random ("dummy") weights
         settings = VLLMSettings(dtype="bfloat16", enforce_eager=args.vllm_eager,
                                 gpu_memory_utilization=args.vllm_memory, max_model_len=args.gen_prompt + args.gen_new + 16,
-                                cpu_kv_cache_gb=0.5)
+                                cpu_kv_cache_gb=1)
         t0 = time.perf_counter()
         engine = build_engine(folder, settings, load_format="dummy")
         print(f"  vllm engine start: {time.perf_counter() - t0:.1f} s "

@@ -136,7 +136,7 @@ def _play(backend, turns=3, max_new_tokens=8):
 @needs_vllm
 def test_vllm_matches_hf_tokens_and_logprobs_and_reuses_prefixes(tiny_pair):
     folders, models = tiny_pair
-    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=0.25,
+    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=1,
                             block_size=32)
     stops = [2]  # <|im_end|>
     fast = vllm_backend.backend_for_checkpoint(folders[0], settings, stops)
@@ -157,7 +157,7 @@ def test_vllm_matches_hf_tokens_and_logprobs_and_reuses_prefixes(tiny_pair):
 @needs_vllm
 def test_vllm_engine_reloads_a_new_checkpoint_in_place(tiny_pair):
     folders, models = tiny_pair
-    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=0.25,
+    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=1,
                             block_size=32)
     first = vllm_backend.backend_for_checkpoint(folders[0], settings, [2])
     before, _ = _play(first, turns=1)

@@ -60,7 +60,7 @@ class VLLMSettings(StageConfig):
                                 "starts faster (CPU: about 25 s instead of 60-75 s), generates slower")
     gpu_memory_utilization: float = Field(0.4, gt=0.0, le=1.0, description="share of GPU memory the engine may "
                                           "take (weights + KV cache); the training stages need the rest")
-    cpu_kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    cpu_kv_cache_gb: int = Field(2, ge=1, description="CPU: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE)")
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + turn the engine accepts (null: "
                                       "the model's max_position_embeddings)")
     block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block, the unit of prefix reuse "
@@ -167,7 +167,7 @@ def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: 
     import torch
 
     if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gb:g}")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_gb)
     if settings.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     vllm = require_vllm()
