@@ -169,3 +169,14 @@ def test_vllm_engine_reloads_a_new_checkpoint_in_place(tiny_pair):
     assert [r.token_ids for r in after[0]] != [r.token_ids for r in before[0]]
     # The same prompts again: the cache was cleared with the old weights, so they are encoded afresh.
     assert all(r.prompt_tokens_encoded > 16 for r in after[0])
+
+
+def test_the_gpu_config_selects_vllm_and_loads():
+    from pathlib import Path
+
+    from qevolve.config import load_config
+    from qevolve.evolve.loop import EvolveConfig
+
+    config = load_config(EvolveConfig, Path(__file__).resolve().parents[1] / "configs" / "gpu" / "alfworld-7b.yaml")
+    assert config.rollout.agent.backend == config.eval.agent.backend == "vllm"
+    assert config.model.precision == "bf16" and config.model.lora.enabled
