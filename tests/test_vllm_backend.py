@@ -155,20 +155,36 @@ def test_vllm_matches_hf_tokens_and_logprobs_and_reuses_prefixes(tiny_pair):
 
 
 @needs_vllm
-def test_vllm_engine_reloads_a_new_checkpoint_in_place(tiny_pair):
+def test_vllm_engine_reloads_a_new_checkpoint_in_place(tiny_pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     folders, models = tiny_pair
     settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=1,
                             block_size=32)
     first = vllm_backend.backend_for_checkpoint(folders[0], settings, [2])
     before, _ = _play(first, turns=1)
-    second = vllm_backend.backend_for_checkpoint(folders[1], settings, [2])
+    # What a LoRA update changes: the decoder's projections, not the (tied) embedding.
+    updated = AutoModelForCausalLM.from_pretrained(folders[0]).eval()
+    with torch.no_grad():
+        for name, param in updated.named_parameters():
+            if "proj" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    updated.save_pretrained(tmp_path / "updated")
+    second = vllm_backend.backend_for_checkpoint(tmp_path / "updated", settings, [2])
     assert second.engine is first.engine  # the same engine, new weights
     after, _ = _play(second, turns=1)
-    want, _ = _play(HFGenerationBackend(models[1], [2]), turns=1)
+    want, _ = _play(HFGenerationBackend(updated, [2]), turns=1)
     assert [r.token_ids for r in after[0]] == [r.token_ids for r in want[0]]
     assert [r.token_ids for r in after[0]] != [r.token_ids for r in before[0]]
     # The same prompts again: the cache was cleared with the old weights, so they are encoded afresh.
     assert all(r.prompt_tokens_encoded > 16 for r in after[0])
+    # A new tied embedding (full fine-tuning): vLLM's in-place reload would keep the old output layer,
+    # so the backend starts a new engine, and serves the new checkpoint exactly.
+    third = vllm_backend.backend_for_checkpoint(folders[1], settings, [2])
+    assert third.engine is not first.engine
+    got, _ = _play(third, turns=1)
+    want, _ = _play(HFGenerationBackend(models[1], [2]), turns=1)
+    assert [r.token_ids for r in got[0]] == [r.token_ids for r in want[0]]
 
 
 def test_the_gpu_config_selects_vllm_and_loads():

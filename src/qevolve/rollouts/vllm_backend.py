@@ -265,6 +265,41 @@ def shutdown_engine() -> None:
             torch.cuda.empty_cache()
 
 
+def _embedding(folder: Path) -> Any:
+    """The input embedding of a safetensors checkpoint folder (None when not found)."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.endswith("embed_tokens.weight"):
+                    return handle.get_tensor(name)
+    return None
+
+
+def _reload_is_exact(old: Path, new: Path) -> bool:
+    """Whether an in-place reload serves ``new`` exactly. vLLM 0.32's reload leaves a tied output
+    layer on the old embedding (measured: the logits are then the new body's with the old
+    embedding), so a tied model whose embedding changed (full fine-tuning) needs a new engine; LoRA
+    checkpoints never change it."""
+    config = json.loads((new / "config.json").read_text())
+    if not config.get("tie_word_embeddings", False):
+        return True
+    import torch
+
+    a, b = _embedding(old), _embedding(new)
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+
+
+def _warm_up(engine: Any) -> None:
+    """One token from a one-token prompt: kernels that cannot run this model fail here, not mid-rollout."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine.generate([TokensPrompt(prompt_token_ids=[0])], VSamplingParams(max_tokens=1, detokenize=False),
+                    use_tqdm=False)
+
+
 def _load_into_running_engine(engine: Any, folder: Path) -> None:
     engine.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
     engine.reset_prefix_cache()  # cached key/values were computed by the old weights
@@ -280,6 +315,8 @@ def backend_for_checkpoint(checkpoint: str | Path, settings: VLLMSettings,
     folder, temporary = whole_model_folder(checkpoint)
     key = _architecture(folder) + settings.model_dump_json()
     weights = f"{folder.resolve()}|{_weights_signature(folder)}"
+    if _ENGINE.get("key") == key and not _reload_is_exact(_ENGINE["folder"], folder):
+        shutdown_engine()
     if _ENGINE.get("key") == key:
         if _ENGINE["weights"] != weights:
             _load_into_running_engine(_ENGINE["engine"], folder)
@@ -288,6 +325,12 @@ def backend_for_checkpoint(checkpoint: str | Path, settings: VLLMSettings,
             _ENGINE.update(folder=folder, weights=weights, temporary=temporary)
     else:
         shutdown_engine()
-        _ENGINE.update(engine=build_engine(folder, settings), key=key, folder=folder, weights=weights,
-                       temporary=temporary)
+        engine = build_engine(folder, settings)
+        try:
+            _warm_up(engine)
+        except Exception:
+            with contextlib.suppress(Exception):
+                engine.llm_engine.engine_core.shutdown()
+            raise
+        _ENGINE.update(engine=engine, key=key, folder=folder, weights=weights, temporary=temporary)
     return VLLMGenerationBackend(_ENGINE["engine"], stop_token_ids)
