@@ -120,7 +120,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         if pending:
             write_shard(output, shard_index, pending, {"env": config.env, "split": config.split,
                                                        "checkpoint": config.model.name_or_path,
-                           "generation_backend": metrics["generation_backend"]})
+                                                       "generation_backend": backend_name})
             shard_index += 1
             pending.clear()
 
