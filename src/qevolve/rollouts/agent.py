@@ -28,11 +28,16 @@ from qevolve.environments.pool import EnvPool
 from qevolve.environments.turn_format import parse_turn
 from qevolve.progress import progress_bar
 from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, SamplingParams
+from qevolve.rollouts.vllm_backend import VLLMSettings
 
 
 class AgentConfig(StageConfig):
     """How the agent acts: batching, decoding, and what happens on malformed turns."""
 
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="generation backend: hf (in-process transformers), vllm (a vLLM engine, the optional "
+        "extra qevolve[vllm]), auto (vllm where it is installed, else hf)")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="the vLLM engine (backend: vllm)")
     batch_size: int = Field(16, ge=1, description="episodes advancing together (one generation batch)")
     num_workers: int = Field(2, ge=1, description="environment worker processes")
     max_new_tokens: int = Field(48, ge=1, description="token limit of one agent turn")
@@ -40,7 +45,8 @@ class AgentConfig(StageConfig):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     seed: int = Field(0, description="seed of sampled decoding (each step uses seed + step)")
     reuse_cache: bool = Field(True, description="keep each episode's attention cache between turns (encode only "
-                              "new tokens); false re-encodes the whole prompt every turn")
+                              "new tokens); false re-encodes the whole prompt every turn (hf backend; vllm "
+                              "always reuses cached prefixes)")
     kv_cache: Literal["growing", "dynamic"] = Field(
         "growing", description="HF backend key/value storage: growing (one preallocated buffer per batch, "
         "written in place) or dynamic (transformers' DynamicCache, reallocated at every token; more memory)")
@@ -53,6 +59,17 @@ class AgentConfig(StageConfig):
     step_timeout: float = Field(120.0, gt=0, description="seconds an environment step may take before its worker "
                                 "is replaced (the episode then counts as failed)")
     max_turns: int | None = Field(None, ge=1, description="cap on turns per episode (null: the environment's own)")
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> ``vllm`` where vLLM is installed, else ``hf``; ``vllm`` without it is a one-line error."""
+    from qevolve.rollouts import vllm_backend
+
+    if name == "auto":
+        return "vllm" if vllm_backend.vllm_available() else "hf"
+    if name == "vllm" and not vllm_backend.vllm_available():
+        raise vllm_backend.MissingVLLM(vllm_backend.MISSING_VLLM)
+    return name
 
 
 @dataclass

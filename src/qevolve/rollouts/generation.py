@@ -345,7 +345,7 @@ class HFGenerationBackend(GenerationBackend):
         self._mask = torch.cat([self._mask, new_mask], dim=1)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
-                             cache=self._cache, use_cache=True, logits_to_keep=1)
+                             past_key_values=self._cache, use_cache=True, logits_to_keep=1)
         # The DynamicCache is extended in place by the forward pass.
         return out.logits[:, -1, :].float()
 

