@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from qevolve.config import StageConfig
+from qevolve.distributed import DistributedConfig
 from qevolve.process_rewards.retrospective import RetrospectiveConfig
 
 __all__ = ["CriticConfig", "IQLConfig", "LoraSettings", "WeightingConfig", "DEFAULT_MODEL_NAME"]
@@ -79,3 +80,6 @@ class CriticConfig(StageConfig):
     checkpoint_every_steps: int = Field(200, ge=1, description="write the resumable training state every N steps "
                                                                "(and at the end of every epoch)")
     seed: int = Field(0, description="seed of head initialisation and batch order")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="multi-process training under torchrun/accelerate launch "
+                                           "(ddp: each rank takes every world_size-th trajectory of a batch)")
