@@ -130,21 +130,30 @@ def test_bc_ddp_step_equals_one_process_and_resumes_with_another_world_size(tiny
 
 
 @pytest.mark.slow
-def test_bc_fsdp_step_equals_one_process_and_saves_full_weights(tiny_model_dir, bc_data, bc_world_1, tmp_path):
+def test_bc_fsdp_step_equals_one_process_saves_full_weights_and_resumes(tiny_model_dir, bc_data, bc_world_1,
+                                                                        tmp_path):
     one, one_run = bc_world_1
     run = tmp_path / "run"
-    two = launch(tmp_path, "fsdp", {"stage": "bc", "config": bc_tree(
-        tiny_model_dir, bc_data, run, max_steps=1, distributed={"backend": "fsdp"})}, 2)
-    assert_same_step(one, two, steps=1)
+
+    def spec(**changes) -> dict:
+        return {"stage": "bc", "config": bc_tree(tiny_model_dir, bc_data, run, max_steps=2, save_every=1,
+                                                 distributed={"backend": "fsdp"}, **changes)}
+
+    first = launch(tmp_path, "fsdp1", spec(stop_after_steps=1), 2)
+    assert_same_step(one, first, steps=1)
+    # the optimizer state is saved as one process saves it (gathered, keyed by parameter index)
+    state = torch.load(run / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=False)
+    assert len(state["optimizer"]["state"]) == len(one["grads"])
+    rest = launch(tmp_path, "fsdp2", spec(), 2)  # FSDP resumes it: sharded again from the full state
+    for rank in rest:
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(one["losses"][1:2]), rtol=1e-5,
+                                   atol=1e-7)
     from safetensors.torch import load_file
 
     saved = load_file(str(run / "final" / "model.safetensors"))
     reference = load_file(str(one_run / "checkpoints" / "step-000002" / "model.safetensors"))
     assert saved.keys() == reference.keys()
     assert all(saved[k].shape == reference[k].shape for k in saved)  # gathered, not shards
-    # the optimizer state is saved as one process saves it: one process resumes an FSDP run
-    state = torch.load(run / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=False)
-    assert len(state["optimizer"]["state"]) == len(one["grads"])
 
 
 # ---------------------------------------------------------------------------------------------

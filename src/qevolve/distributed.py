@@ -159,9 +159,9 @@ class DistContext:
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return None
-        index = {name: i for i, name in enumerate(parameter_names)}
-        return {"state": {index[name]: value for name, value in full["state"].items()},
-                "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+        index = {name: i for i, name in enumerate(parameter_names)}  # a tied weight's other names are left out
+        return {"state": {index[name]: value for name, value in full["state"].items() if name in index},
+                "param_groups": [{**group, "params": [index[name] for name in group["params"] if name in index]}
                                  for group in full["param_groups"]]}
 
     def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
