@@ -214,7 +214,7 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
         log = lambda message: None  # noqa: E731 - rank 0 alone reports
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.data.env)
-    max_length = getattr(unwrap_model(model).config, "max_position_embeddings", None)
+    max_length = getattr(unwrap_model(policy.model).config, "max_position_embeddings", None)
     data = _load_data(config, builder, max_length)
     pad_id = policy.tokenizer.pad_token_id or 0
     train_tokens = sum(len(s) for s in data.train)
