@@ -345,7 +345,15 @@ class Trainer:
         if self.dist.kind != "fsdp" or not self.dist.enabled:
             return None
         state = self.dist.full_model_state(self.model)
-        return None if state is None else {name.removeprefix("model."): value for name, value in state.items()}
+        if state is None:
+            return None
+        inner = unwrap_model(self.policy.model)
+        # tied weights (the output layer = the embeddings) are saved once, as save_pretrained does
+        tied = set(getattr(inner, "_tied_weights_keys", None) or {}) \
+            if getattr(inner.config, "tie_word_embeddings", False) else set()
+        state = {name.removeprefix("model."): value for name, value in state.items()}
+        return {name: value for name, value in state.items()
+                if not any(name == key or name.endswith("." + key) for key in tied)}
 
     def save_policy(self, folder: Path, extra: dict[str, Any]) -> Path:
         """Save the policy (rank 0 writes; every rank returns the folder)."""
