@@ -42,7 +42,9 @@ def launch(tmp_path: Path, name: str, spec: dict, nproc: int, launcher: str = "t
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(WORKER), str(spec_path)]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", f"--num_processes={nproc}",
+        # accelerate's --cpu picks its one-process launcher (it expects mpirun for several CPU processes);
+        # --multi_gpu is its torchrun-style launcher, which works on CPUs (the stage then picks gloo)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
                    "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", "--main_process_port=0",
                    str(WORKER), str(spec_path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
