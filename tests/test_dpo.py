@@ -81,3 +81,13 @@ def test_dpo_without_pairs_is_a_clear_error(alfworld_experts, tiny_model_dir, tm
         tensorboard=False)
     with pytest.raises(ValueError, match="no \\(better, worse\\) episode pairs of the same task"):
         run_policy_update(config, log=lambda m: None)
+
+
+def test_dpo_refuses_a_multi_process_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; DPO trains in one process only
+    config = PolicyStageConfig(buffer_path=str(tmp_path / "buffer.parquet"), objective=ObjectiveConfig(name="dpo"),
+                               output_dir=str(tmp_path / "out"), progress=False, tensorboard=False)
+    with pytest.raises(ValueError, match=r"^policy/dpo: a launcher started 2 processes \(WORLD_SIZE=2\), but DPO "
+                                         r"trains in one process only"):
+        run_policy_update(config, log=lambda m: None)
+    assert not (tmp_path / "out").exists()

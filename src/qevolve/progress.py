@@ -127,8 +127,11 @@ class StatusLine:
 
 
 def progress_bar(iterable: Iterable[Any] | None = None, *, total: int | None = None, desc: str = "",
-                 unit: str = "it", initial: int = 0, enabled: bool = True) -> Any:
-    """A tqdm bar when ``enabled`` on a terminal, else a :class:`StatusLine` (see the module doc)."""
+                 unit: str = "it", initial: int = 0, enabled: bool = True, silent: bool = False) -> Any:
+    """A tqdm bar when ``enabled`` on a terminal, else a :class:`StatusLine` (see the module doc);
+    ``silent``: a StatusLine that never prints (the ranks other than 0 of a multi-process run)."""
+    if silent:
+        return StatusLine(iterable, total=total, desc=desc, unit=unit, initial=initial, interval=0)
     if use_bars(enabled):
         from tqdm.auto import tqdm
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from qevolve.config import StageConfig
+from qevolve.distributed import DistributedConfig
 from qevolve.process_rewards.retrospective import RetrospectiveConfig
 
 __all__ = ["CriticConfig", "IQLConfig", "LoraSettings", "WeightingConfig", "DEFAULT_MODEL_NAME"]
@@ -81,3 +82,6 @@ class CriticConfig(StageConfig):
     seed: int = Field(0, description="seed of head initialisation and batch order")
     include_failed: bool = Field(False, description="also train on (and label) episodes lost to environment "
                                  "failures (stored with failed=true); by default they are left out")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="multi-process training under torchrun/accelerate launch "
+                                           "(ddp: each rank takes every world_size-th trajectory of a batch)")

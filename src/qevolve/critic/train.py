@@ -9,6 +9,11 @@ Output folder of a run:
   trajectories, explained variance of V against Monte-Carlo returns of r_env + r_aux
 - ``critic.pt``       the trained critic (config, heads, target heads, trained backbone weights)
 - ``config.yaml``     the config of the run
+
+Under a multi-process launcher (``distributed.backend: ddp``) every rank plans the same batches;
+rank r trains on every ``world_size``-th trajectory of each batch, its loss scaled by its share of
+the batch's turns, so the all-reduced gradient is that of the whole batch; rank 0 alone writes
+(see :mod:`qevolve.distributed`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint,
 from qevolve.critic.iql import iql_losses
 from qevolve.critic.model import (Critic, FeatureCache, build_critic, default_model_path, encode_batch,
                                   extract_features, model_identity, resolve_device)
+from qevolve.distributed import DistContext, init_distributed, main_first
 
 __all__ = ["train_critic", "load_critic", "predict_values", "critic_samples", "explained_variance", "init_path_of",
            "CRITIC_FILE", "STATE_FILE", "METRICS_FILE"]
@@ -127,7 +133,7 @@ def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprin
     saved = dict(state["config"])
     current = config.model_dump(mode="json")
     # Fields that may change between attempts (e.g. more epochs to extend training, another device).
-    for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir"):
+    for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir", "distributed"):
         saved.pop(name, None)
         current.pop(name, None)
     if saved != current:
@@ -140,6 +146,21 @@ def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprin
     return None
 
 
+class _StepForward(torch.nn.Module):
+    """V and Q of a batch given by sample indices, as one module (the unit DDP wraps)."""
+
+    def __init__(self, critic: Critic, samples: list[CriticSample], features: Features | None,
+                 device: torch.device):
+        super().__init__()
+        self.critic = critic
+        self.samples, self.features, self.device = samples, features, device
+
+    def forward(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch = [self.samples[i] for i in indices]
+        v_features, q_features = _batch_features(self.critic, batch, indices, self.features, self.device)
+        return self.critic.heads.value(v_features), self.critic.heads.q_values(q_features), q_features
+
+
 def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str | Path, *, restart: bool = False,
                  progress: bool = True, log: Callable[[str], None] | None = None,
                  stop_after_steps: int | None = None) -> dict[str, Any]:
@@ -148,8 +169,10 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     ``stop_after_steps`` ends the call after that many optimiser steps in total (the state is saved),
     which is how an interruption is simulated. Returns a summary with the per-epoch ``history``.
     """
-    log = log or (lambda message: None)
+    dist: DistContext = init_distributed(config.distributed, config.device, stage="critic", allow_fsdp=False)
+    log = log if log is not None and dist.is_main else (lambda message: None)
     quiet_third_party(bars=use_bars(progress))
+    progress = progress and dist.is_main
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)
@@ -158,7 +181,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     if not samples:
         raise ValueError("critic: the buffer holds no episodes")
     fingerprint = buffer_fingerprint(samples)
-    (output / "config.yaml").write_text(dump_config(config))
+    if dist.is_main:
+        (output / "config.yaml").write_text(dump_config(config))
 
     critic = build_critic(config, init_path, device)
     head_params = list(critic.heads.parameters())
@@ -186,6 +210,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
         log(f"resuming at epoch {epoch + 1}, batch {batch_done}, step {global_step}")
 
     def save_state() -> None:
+        if not dist.is_main:
+            return
         atomic_torch_save({
             "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
             "fingerprint": fingerprint, "epoch": epoch, "batch": batch_done, "global_step": global_step,
@@ -194,8 +220,9 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             "rng": torch.get_rng_state(), "history": history, "accumulator": acc,
         }, state_path)
 
-    features = frozen_features(critic, samples, config, init_path, device, progress) \
-        if config.backbone == "frozen" else None
+    with main_first(dist):  # rank 0 fills the feature cache, the others read it
+        features = frozen_features(critic, samples, config, init_path, device, progress) \
+            if config.backbone == "frozen" else None
     if config.feature_norm and global_step == 0:  # fitted once, before the first step; then saved with the heads
         subset = sorted(_epoch_order(len(samples), config.seed, -1)[: config.feature_norm_trajectories])
         fit_on = features if features is not None else extract_features(
@@ -204,42 +231,72 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
         critic.heads.fit_normalizer(torch.cat([torch.cat(pair) for pair in fit_on]))
     iql = config.iql
 
-    def guard(value: torch.Tensor, quantity: str) -> None:
-        """Stop before a non-finite loss or gradient is applied; the last saved state stays as it was."""
-        if not bool(torch.isfinite(value)):
+    def guard(values: dict[str, torch.Tensor], same_on_all_ranks: bool = False) -> None:
+        """Stop before a non-finite loss or gradient is applied; the last saved state stays as it was.
+
+        Under DDP a loss is this rank's, so whether any rank saw a non-finite one is all-reduced first:
+        every rank raises together, none is left waiting in a backward pass (a gradient norm is that of
+        the all-reduced gradients, the same on every rank)."""
+        bad = [(quantity, value) for quantity, value in values.items() if not bool(torch.isfinite(value))]
+        if dist.enabled and not same_on_all_ranks and dist.sum([float(len(bad))])[0] > 0 and not bad:
+            bad = [("loss (on another rank)", float("nan"))]
+        for quantity, value in bad[:1]:
             check_finite(value, f"critic (epoch {epoch + 1})", global_step + 1, quantity,
                          state_path if state_path.is_file() else None)
 
+    step_module = _StepForward(critic, samples, features, device)
+    step_forward = dist.wrap_ddp(step_module, device)  # step_module itself in one process
+    if dist.enabled:
+        log(f"critic: ddp over {dist.world_size} processes (this is rank 0)")
     while epoch < config.epochs:
         batches = token_budget_batches(samples, _epoch_order(len(samples), config.seed, epoch), config.batch_tokens)
         if config.backbone != "frozen":
             critic.backbone.train()
         bar = progress_bar(total=len(batches), initial=batch_done, desc=f"critic epoch {epoch + 1}/{config.epochs}",
-                           unit="batch", enabled=progress)
+                           unit="batch", enabled=progress, silent=not dist.is_main)
         while batch_done < len(batches):
             started = time.perf_counter()
             indices = batches[batch_done]
+            share = 1.0
+            if dist.enabled:  # this rank's trajectories of the batch, and their share of its turns
+                mine = indices[dist.rank::dist.world_size]
+                weight = 1.0 if mine else 0.0  # a rank without a trajectory runs the whole batch, weight 0
+                indices = mine or indices
+                share = weight * sum(samples[i].num_turns for i in indices) / \
+                    sum(samples[i].num_turns for i in batches[batch_done])
             batch = [samples[i] for i in indices]
-            v_features, q_features = _batch_features(critic, batch, indices, features, device)
-            values = critic.heads.value(v_features)
-            q_values = critic.heads.q_values(q_features)
+            values, q_values, q_features = step_forward(indices)
             with torch.no_grad():
                 target_q = critic.target_q_min(q_features.detach())
             losses = iql_losses(values, q_values, target_q, batch, iql.expectile, iql.gamma, iql.truncated_bootstrap)
-            for name in ("loss_v", "loss_q"):
-                guard(losses[name], name)
+            guard({name: losses[name] for name in ("loss_v", "loss_q")})
             optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            guard(torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip), "gradient norm")
+            # DDP averages the ranks' gradients: scale by the share of the batch's turns times the world size
+            (losses["loss"] * (share * dist.world_size) if dist.enabled else losses["loss"]).backward()
+            guard({"gradient norm": torch.nn.utils.clip_grad_norm_(head_params + backbone_params, config.grad_clip)},
+                  same_on_all_ranks=True)
             optimizer.step()
             critic.update_target(iql.polyak)
 
-            acc["loss_v"] += float(losses["loss_v"].detach())
-            acc["loss_q"] += float(losses["loss_q"].detach())
-            acc["batches"] += 1
-            acc["values"].append(values.detach().cpu().numpy())
-            acc["returns"].append(torch.cat([s.mc_returns for s in batch]).numpy())
-            acc["success"].append(np.concatenate([np.full(s.num_turns, s.success) for s in batch]))
+            if dist.enabled:
+                loss_v, loss_q = dist.sum([share * float(losses["loss_v"].detach()),
+                                           share * float(losses["loss_q"].detach())])
+                parts = dist.gather_objects(None if share == 0 else (
+                    values.detach().cpu().numpy(), torch.cat([s.mc_returns for s in batch]).numpy(),
+                    np.concatenate([np.full(s.num_turns, s.success) for s in batch])))
+                parts = [p for p in parts if p is not None]
+                acc["loss_v"] += loss_v
+                acc["loss_q"] += loss_q
+                acc["batches"] += 1
+                for key, column in (("values", 0), ("returns", 1), ("success", 2)):
+                    acc[key].append(np.concatenate([p[column] for p in parts]))
+            else:
+                acc["loss_v"] += float(losses["loss_v"].detach())
+                acc["loss_q"] += float(losses["loss_q"].detach())
+                acc["batches"] += 1
+                acc["values"].append(values.detach().cpu().numpy())
+                acc["returns"].append(torch.cat([s.mc_returns for s in batch]).numpy())
+                acc["success"].append(np.concatenate([np.full(s.num_turns, s.success) for s in batch]))
             acc["seconds"] += time.perf_counter() - started
             batch_done += 1
             global_step += 1
@@ -250,25 +307,30 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             if stop_after_steps is not None and global_step >= stop_after_steps:
                 bar.close()
                 save_state()
+                dist.barrier()
                 return {"finished": False, "global_step": global_step, "history": history, "output": str(output)}
         bar.close()
         metrics = _epoch_metrics(epoch, acc, global_step)
         history.append(metrics)
-        _write_metrics(output, history)
+        if dist.is_main:
+            _write_metrics(output, history)
         log("epoch {epoch}: loss_v {loss_v:.4f} loss_q {loss_q:.4f} V(success) {v_success:.3f} "
             "V(failure) {v_failure:.3f} explained variance {explained_variance:.3f}".format(**metrics))
         epoch, batch_done, acc = epoch + 1, 0, _new_accumulator()
         save_state()
 
+    # never a non-finite critic.pt (the heads are the same on every rank, so every rank raises alike)
     check_finite_parameters([*critic.heads.named_parameters(), *critic.target_q.named_parameters()], "critic",
                             global_step, state_path)  # never a non-finite critic.pt
-    atomic_torch_save({
-        "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
-        "init_relative": relative_to_folder(init_path, output),  # survives moving the run folder
-        "fingerprint": fingerprint, "hidden_size": critic.heads.v[0].in_features,
-        "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
-        "backbone": critic.trainable_backbone_state(), "history": history,
-    }, output / CRITIC_FILE)
+    if dist.is_main:
+        atomic_torch_save({
+            "format": FORMAT_VERSION, "config": config.model_dump(mode="json"), "init": str(init_path),
+            "init_relative": relative_to_folder(init_path, output),  # survives moving the run folder
+            "fingerprint": fingerprint, "hidden_size": critic.heads.v[0].in_features,
+            "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
+            "backbone": critic.trainable_backbone_state(), "history": history,
+        }, output / CRITIC_FILE)
+    dist.barrier()  # the critic is on disk for every rank
     return {"finished": True, "global_step": global_step, "history": history, "output": str(output),
             "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
 

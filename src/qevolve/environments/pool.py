@@ -14,6 +14,9 @@ Two ways to drive it:
 Every command has a deadline (``step_timeout`` per environment step, ``reset_timeout`` per reset).
 A worker that misses it, or dies, is killed and replaced; the episodes it was running are reported
 as failed (``info["failed"] = True`` with the reason), never silently dropped.
+
+:class:`qevolve.environments.ray_pool.RayEnvPool` keeps the same contract on Ray actors (environments
+on other machines of a Ray cluster); :func:`make_pool` builds either from a :class:`PoolConfig`.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Literal
+
+from pydantic import Field
 
 from qevolve.buffer.store import Episode, Turn, settle_final_reward
+from qevolve.config import StageConfig
 from qevolve.environments.base import Environment, StepResult, make_environment
 
 # ---------------------------------------------------------------------------------------------
@@ -460,3 +466,27 @@ class EnvPool:
 
 def default_num_workers() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 8))
+
+
+class PoolConfig(StageConfig):
+    """Where the environments run."""
+
+    backend: Literal["processes", "ray"] = Field(
+        "processes", description="processes: worker processes on this machine; ray: Ray actors, on any node of "
+        "a Ray cluster (same timeouts and failure reports)")
+    ray_address: str | None = Field(None, description="ray: the cluster to join (null: RAY_ADDRESS, else a new "
+                                    "local cluster, shut down with the pool)")
+    ray_cpus_per_worker: float = Field(1.0, gt=0.0, description="ray: CPUs each environment actor reserves")
+
+
+def make_pool(config: PoolConfig, env_name: str, env_kwargs: dict[str, Any] | None = None, num_workers: int = 2,
+              step_timeout: float = 60.0, reset_timeout: float = 180.0) -> Any:
+    """An :class:`EnvPool` or a :class:`~qevolve.environments.ray_pool.RayEnvPool`, by ``config.backend``."""
+    if config.backend == "ray":
+        from qevolve.environments.ray_pool import RayEnvPool
+
+        return RayEnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout,
+                          reset_timeout=reset_timeout, address=config.ray_address,
+                          num_cpus_per_worker=config.ray_cpus_per_worker)
+    return EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout,
+                   reset_timeout=reset_timeout)

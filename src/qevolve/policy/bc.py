@@ -186,8 +186,12 @@ def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None)
 
 @torch.no_grad()
 def evaluate_nll(policy: Policy, sequences: list[TrainSequence], tokens_per_batch: int,
-                 mode: BatchMode = "pack") -> dict[str, float]:
-    """Mean negative log-likelihood per agent token (and its accuracy) over ``sequences``."""
+                 mode: BatchMode = "pack", model: Any = None) -> dict[str, float]:
+    """Mean negative log-likelihood per agent token (and its accuracy) over ``sequences``.
+
+    ``model`` is the module to run (the trainer's DDP/FSDP wrapper in multi-process training; every
+    rank then evaluates every sequence); null: ``policy.model``."""
+    model = policy.model if model is None else model
     if not sequences:
         return {}
     was_training = policy.model.training
@@ -197,7 +201,7 @@ def evaluate_nll(policy: Policy, sequences: list[TrainSequence], tokens_per_batc
     for group in plan_batches(sequences, tokens_per_batch, mode, seed=0, shuffle=False):
         batch = collate(sequences, group, mode, pad_id).to(policy.device)
         with policy.autocast():
-            nll, correct = target_nll(policy.model, batch)
+            nll, correct = target_nll(model, batch)
         total_nll += float(nll)
         total_correct += int(correct)
         total_targets += batch.num_targets
@@ -216,16 +220,21 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     started = time.perf_counter()
     trainer = Trainer(config, _BC_RESUME_FREE)  # seeds, and refuses a mismatched checkpoint early
     quiet_third_party(bars=use_bars(config.progress))
+    dist = trainer.dist
+    if not dist.is_main:
+        log = lambda message: None  # noqa: E731 - rank 0 alone reports
     policy = load_policy(config.model, trainable=True)
-    model = policy.model
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.data.env)
-    max_length = getattr(unwrap_model(model).config, "max_position_embeddings", None)
+    max_length = getattr(unwrap_model(policy.model).config, "max_position_embeddings", None)
     data = _load_data(config, builder, max_length)
     pad_id = policy.tokenizer.pad_token_id or 0
     train_tokens = sum(len(s) for s in data.train)
     train_targets = sum(s.num_targets for s in data.train)
     trainer.start(policy, data.train)
+    model = trainer.model  # policy.model, or its DDP/FSDP wrapper
     total_steps, start_step = trainer.total_steps, trainer.start_step
+    if dist.enabled:
+        log(f"bc: {dist.kind} over {dist.world_size} processes (this is rank 0)")
     log(f"bc: {data.train_episodes} episodes -> {len(data.train)} sequences, {train_tokens} tokens "
         f"({train_targets} agent tokens); {trainer.micro_per_epoch} micro-batches per epoch; {total_steps} steps; "
         f"model {policy.source} ({policy.precision}, {'LoRA' if policy.is_lora else 'full'}), "
@@ -236,11 +245,11 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
         eval_before = trainer.resume_state.get("eval_before")
         log(f"bc: resumed from {trainer.checkpoint} at step {start_step}")
     elif data.eval:
-        eval_before = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching)
+        eval_before = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching, model)
         log(f"bc: held-out agent-token NLL before training {eval_before['agent_nll']:.4f} "
             f"(accuracy {eval_before['agent_accuracy']:.3f}, {data.eval_episodes} episodes)")
 
-    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard and dist.is_main else None)
     if eval_before and start_step == 0:
         writer.scalars(0, {f"eval/{k}": v for k, v in eval_before.items() if k.startswith("agent")})
 
@@ -249,25 +258,34 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     compute_seconds = 0.0
     interrupted = False
     step = start_step
-    bar = progress_bar(total=total_steps, initial=start_step, desc="bc", unit="step", enabled=config.progress)
+    bar = progress_bar(total=total_steps, initial=start_step, desc="bc", unit="step", enabled=config.progress,
+                       silent=not dist.is_main)
     model.train()
     while step < total_steps:
         if trainer.should_stop(step):
             interrupted = True
             break
         t0 = time.perf_counter()
-        batches = [collate(data.train, group, config.batching, pad_id) for group in trainer.step_groups(step)]
-        step_targets = sum(b.num_targets for b in batches)
+        groups = trainer.step_groups(step)
+        step_targets = trainer.targets_of(groups)  # over every rank's micro-batches
+        local = trainer.local_groups(groups)  # all of them in one process
+        batches = [(collate(data.train, group, config.batching, pad_id), weight) for group, weight in local]
         step_nll, step_correct, step_tokens = 0.0, 0, 0
-        for batch in batches:
+        for k, (batch, weight) in enumerate(batches):
             batch = batch.to(policy.device)
-            with policy.autocast():
-                nll, correct = target_nll(model, batch)
-            # the loss of the step is the mean over all its agent tokens: scale each micro-batch's sum
-            (nll / step_targets).backward()
-            step_nll += float(nll.detach())
-            step_correct += int(correct)
-            step_tokens += batch.num_tokens
+            with trainer.micro_batch(k, len(batches)):
+                with policy.autocast():
+                    nll, correct = target_nll(model, batch)
+                scale = trainer.loss_scale(weight)  # 1 in one process
+                # the loss of the step is the mean over all its agent tokens: scale each micro-batch's sum
+                ((nll * scale if scale != 1.0 else nll) / step_targets).backward()
+            if weight:
+                step_nll += float(nll.detach())
+                step_correct += int(correct)
+                step_tokens += batch.num_tokens
+        if dist.enabled:
+            step_nll, step_correct, step_tokens = dist.sum([step_nll, step_correct, step_tokens])
+        # the step's loss over every rank's micro-batches: the same on all ranks, so all raise together
         loss = trainer.check_finite(step_nll / step_targets, "bc", step + 1, "loss")
         grad_norm = trainer.optimizer_step("bc", step + 1)
         step += 1
@@ -285,7 +303,7 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
                 values["train/grad_norm"] = grad_norm
             writer.scalars(step, values)
         if config.eval_every and step % config.eval_every == 0 and data.eval and step < total_steps:
-            metrics = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching)
+            metrics = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching, model)
             writer.scalars(step, {f"eval/{k}": v for k, v in metrics.items() if k.startswith("agent")})
         trainer.maybe_save(step, {"eval_before": eval_before, "config": config.model_dump(mode="json")})
     bar.close()
@@ -295,18 +313,18 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     output_dir = trainer.output_dir
     if not interrupted:
         if data.eval:
-            eval_after = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching)
+            eval_after = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching, model)
             writer.scalars(step, {f"eval/{k}": v for k, v in eval_after.items() if k.startswith("agent")})
             log(f"bc: held-out agent-token NLL after training {eval_after['agent_nll']:.4f} "
                 f"(accuracy {eval_after['agent_accuracy']:.3f})")
         if config.save_final:
-            trainer.check_parameters("bc", step)  # never a non-finite final model
-            final_dir = policy.save(output_dir / "final", {"bc_steps": step})
+            # checks the parameters first: never a non-finite final model
+            final_dir = trainer.save_policy(output_dir / "final", {"bc_steps": step}, "bc", step)
     writer.close()
     result = BCResult(step, total_steps, start_step, interrupted, len(data.train), train_tokens, train_targets,
                       eval_before, eval_after, tokens_done / compute_seconds if compute_seconds else 0.0,
                       time.perf_counter() - started, final_dir, losses)
-    if not interrupted:
+    if not interrupted and dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         # relative to the summary's folder, so the summary stays true when the folder moves (evolve
         # trains in a staging folder and renames it)

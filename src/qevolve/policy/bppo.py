@@ -105,14 +105,16 @@ class PolicyResult:
 
 @torch.no_grad()
 def sequence_logprobs(policy: Policy, sequences: list[TrainSequence], tokens_per_batch: int,
-                      mode: BatchMode, progress: bool = False, desc: str = "scoring") -> list[torch.Tensor]:
-    """log pi(token) of every agent token of every sequence, in each sequence's target order."""
+                      mode: BatchMode, progress: bool = False, desc: str = "scoring",
+                      silent: bool = False) -> list[torch.Tensor]:
+    """log pi(token) of every agent token of every sequence, in each sequence's target order (``silent``:
+    no progress output at all, as on the ranks other than 0)."""
     was_training = policy.model.training
     policy.model.eval()
     pad_id = policy.tokenizer.pad_token_id or 0
     out: list[torch.Tensor | None] = [None] * len(sequences)
     groups = plan_batches(sequences, tokens_per_batch, mode, seed=0, shuffle=False)
-    for group in progress_bar(groups, desc=desc, unit="batch", enabled=progress):
+    for group in progress_bar(groups, desc=desc, unit="batch", enabled=progress, silent=silent):
         batch = collate(sequences, group, mode, pad_id).to(policy.device)
         with policy.autocast():
             logp = target_logprobs(policy.model, batch).float().cpu()
@@ -168,6 +170,9 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         raise ValueError("buffer_path: a labelled trajectory store is required")
     trainer = Trainer(config)  # seeds, and refuses a mismatched checkpoint early
     quiet_third_party(bars=use_bars(config.progress))
+    dist = trainer.dist
+    if not dist.is_main:
+        log = lambda message: None  # noqa: E731 - rank 0 alone reports
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     episodes = usable_episodes(read_episodes(Path(config.buffer_path).expanduser()), config.include_failed)
@@ -189,16 +194,17 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     action_tokens = sum(s.num_targets for s in sequences)
 
     # pi_old and pi_ref log-probs, once, before any update (a resumed run reads them back).
-    progress = config.progress
+    progress, silent = config.progress, not dist.is_main
     if trainer.resume_state is not None:
         old_logp, ref_logp = trainer.resume_state["old_logprobs"], trainer.resume_state["ref_logprobs"]
     else:
-        old_logp = sequence_logprobs(policy, sequences, config.tokens_per_batch, config.batching, progress, "pi_old")
+        old_logp = sequence_logprobs(policy, sequences, config.tokens_per_batch, config.batching, progress, "pi_old",
+                                    silent)
         ref_logp = old_logp
         if config.reference and Path(config.reference).expanduser() != Path(policy.source):
             reference = load_policy(config.model.model_copy(update={"name_or_path": config.reference}), trainable=False)
             ref_logp = sequence_logprobs(reference, sequences, config.tokens_per_batch, config.batching, progress,
-                                         "pi_ref")
+                                         "pi_ref", silent)
             del reference
 
     trainer.start(policy, sequences)
@@ -207,8 +213,10 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         f"{action_tokens} action tokens; {total_steps} steps; model {policy.source} ({policy.precision})")
     if trainer.resume_state is not None:
         log(f"policy: resumed from {trainer.checkpoint} at step {start_step}")
+    if dist.enabled:
+        log(f"policy: {dist.kind} over {dist.world_size} processes (this is rank 0)")
 
-    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard and dist.is_main else None)
     pad_id = policy.tokenizer.pad_token_id or 0
 
     def micro_batch(group: list[int], shift: float = 0.0,
@@ -222,41 +230,52 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     stats_log: list[dict[str, float]] = []
     interrupted = False
     step = start_step
-    model = policy.model
+    model = trainer.model  # policy.model, or its DDP/FSDP wrapper
     model.train()
     bar = progress_bar(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
-                       enabled=config.progress)
+                       enabled=config.progress, silent=not dist.is_main)
     while step < total_steps:
         if trainer.should_stop(step):
             interrupted = True
             break
         t0 = time.perf_counter()
         groups = trainer.step_groups(step)
-        shift, scale = 0.0, 1.0
-        if config.standardize_advantages == "step":  # over the step's turns, each turn counted once
-            shift, scale = _shift_and_scale(torch.cat([seq_adv[i] for group in groups for i in group]),
-                                            config.standardize_min_std)
-        batches = [micro_batch(group, shift, scale) for group in groups]
-        step_targets = sum(b[0].num_targets for b in batches)
+        shift, adv_scale = 0.0, 1.0
+        if config.standardize_advantages == "step":  # over the step's turns (every rank's), each turn once
+            shift, adv_scale = _shift_and_scale(torch.cat([seq_adv[i] for group in groups for i in group]),
+                                                config.standardize_min_std)
+        step_targets = trainer.targets_of(groups)  # over every rank's micro-batches
+        local = trainer.local_groups(groups)  # all of them in one process
+        batches = [(micro_batch(group, shift, adv_scale), weight) for group, weight in local]
         step_stats: dict[str, float] = {}
-        for batch, old, ref, adv in batches:
+        step_tokens = 0
+        for k, ((batch, old, ref, adv), weight) in enumerate(batches):
             batch = batch.to(policy.device)
-            with policy.autocast():
-                logp = target_logprobs(model, batch)
-            device = logp.device
-            out = compute_objective(config.objective, logp, old.to(device), ref.to(device), adv.to(device),
-                                    torch.ones_like(logp))
-            trainer.check_finite(out.loss, f"policy/{config.objective.name}", step + 1, "loss")
-            share = batch.num_targets / step_targets
-            # the objective averages over this micro-batch's tokens: weight it by its share of the step's
-            (out.loss * share).backward()
-            for key, value in out.stats.items():
-                step_stats[key] = step_stats.get(key, 0.0) + value * share
+            with trainer.micro_batch(k, len(batches)):
+                with policy.autocast():
+                    logp = target_logprobs(model, batch)
+                device = logp.device
+                out = compute_objective(config.objective, logp, old.to(device), ref.to(device), adv.to(device),
+                                        torch.ones_like(logp))
+                # before the backward (under DDP/FSDP raised by every rank at the optimizer step)
+                trainer.check_loss(out.loss, f"policy/{config.objective.name}", step + 1)
+                share = batch.num_targets / step_targets
+                scale = trainer.loss_scale(weight)  # 1 in one process
+                # the objective averages over this micro-batch's tokens: weight it by its share of the step's
+                (out.loss * (share * scale if scale != 1.0 else share)).backward()
+            if weight:
+                step_tokens += batch.num_tokens
+                for key, value in out.stats.items():
+                    step_stats[key] = step_stats.get(key, 0.0) + value * share
+        if dist.enabled:
+            keys = sorted(step_stats)
+            *values, step_tokens = dist.sum([step_stats[key] for key in keys] + [step_tokens])
+            step_stats = dict(zip(keys, values))
         grad_norm = trainer.optimizer_step(f"policy/{config.objective.name}", step + 1)
         if grad_norm is not None:
             step_stats["grad_norm"] = grad_norm
         step += 1
-        step_stats["tokens_per_second"] = sum(b[0].num_tokens for b in batches) / (time.perf_counter() - t0)
+        step_stats["tokens_per_second"] = step_tokens / (time.perf_counter() - t0)
         stats_log.append(step_stats)
         bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
         bar.update(1)
@@ -268,11 +287,13 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     final_dir = None
     output_dir = trainer.output_dir
     if not interrupted and config.save_final:
-        trainer.check_parameters(f"policy/{config.objective.name}", step)  # never a non-finite final model
-        final_dir = policy.save(output_dir / "final", {"policy_steps": step, "objective": config.objective.name})
+        # checks the parameters first: never a non-finite final model
+        final_dir = trainer.save_policy(output_dir / "final", {"policy_steps": step,
+                                                               "objective": config.objective.name},
+                                        f"policy/{config.objective.name}", step)
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
                           time.perf_counter() - started, final_dir, stats_log)
-    if not interrupted:
+    if not interrupted and dist.is_main:
         summary = {**result.summary(), "final_dir": "final" if final_dir else None}  # relative, as in BC
         (output_dir / "policy_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return result

@@ -20,6 +20,8 @@ Q-Evolve buffer (expert demonstrations + self rollouts on the same training task
 Training mechanics (optimizer, schedule, checkpoints, resume) are the shared
 :class:`qevolve.policy.trainer.Trainer`; its micro-batch plan runs over *pairs* (each pair's token
 count is the sum of both trajectories' sequences), so a pair is never split across micro-batches.
+DPO runs in one process: it refuses a multi-process launch (``WORLD_SIZE`` > 1); BC and BPPO/AWR
+are the stages that train under DDP/FSDP.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from qevolve.buffer.store import Episode, read_episodes, usable_episodes
+from qevolve.distributed import launcher_world_size
 from qevolve.policy.batching import collate
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
@@ -97,6 +100,10 @@ def run_dpo(config, log: Callable[[str], None] = print):
     objective = config.objective
     if not config.buffer_path:
         raise ValueError("buffer_path: a trajectory store with successful and failed episodes is required")
+    world_size = launcher_world_size()
+    if world_size > 1:
+        raise ValueError(f"policy/dpo: a launcher started {world_size} processes (WORLD_SIZE={world_size}), but DPO "
+                         f"trains in one process only; launch it without torchrun/accelerate launch")
     trainer = Trainer(config)
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
@@ -141,7 +148,7 @@ def run_dpo(config, log: Callable[[str], None] = print):
     stats_log: list[dict[str, float]] = []
     interrupted = False
     step = start_step
-    model = policy.model
+    model = trainer.model  # policy.model: DPO runs in one process
     model.train()
     bar = progress_bar(total=total_steps, initial=start_step, desc="policy/dpo", unit="step", enabled=progress)
     while step < total_steps:
@@ -203,8 +210,9 @@ def run_dpo(config, log: Callable[[str], None] = print):
     writer.close()
     final_dir = None
     if not interrupted and config.save_final:
-        trainer.check_parameters("policy/dpo", step)  # never a non-finite final model
-        final_dir = policy.save(trainer.output_dir / "final", {"policy_steps": step, "objective": "dpo"})
+        # checks the parameters first: never a non-finite final model
+        final_dir = trainer.save_policy(trainer.output_dir / "final", {"policy_steps": step, "objective": "dpo"},
+                                        "policy/dpo", step)
     result = PolicyResult(step, total_steps, interrupted, len(sequences), sum(s.num_targets for s in sequences),
                           time.perf_counter() - started, final_dir, stats_log)
     if not interrupted:

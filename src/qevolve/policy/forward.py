@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from qevolve.policy.batching import TokenBatch
 from qevolve.policy.model import unwrap_model
 
-__all__ = ["decoder_hidden_states", "target_logits", "target_logprobs", "target_nll"]
+__all__ = ["TargetLogits", "decoder_hidden_states", "target_logits", "target_logprobs", "target_nll"]
 
 
 def decoder_hidden_states(model: Any, batch: TokenBatch) -> torch.Tensor:
@@ -28,8 +28,28 @@ def decoder_hidden_states(model: Any, batch: TokenBatch) -> torch.Tensor:
     return output.last_hidden_state
 
 
+class TargetLogits(torch.nn.Module):
+    """The policy model as one module whose forward is :func:`target_logits`.
+
+    Multi-process training wraps this in DDP or FSDP (:mod:`qevolve.distributed`): their hooks
+    run at the wrapper's forward, which the decoder-only path below would otherwise bypass."""
+
+    def __init__(self, model: Any):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TokenBatch) -> torch.Tensor:
+        return _target_logits(self.model, batch)
+
+
 def target_logits(model: Any, batch: TokenBatch) -> torch.Tensor:
     """Logits ``[N, V]`` at the positions predicting the batch's agent tokens."""
+    if isinstance(model, TargetLogits) or isinstance(getattr(model, "module", None), TargetLogits):
+        return model(batch)  # a DDP/FSDP-wrapped trainer model
+    return _target_logits(model, batch)
+
+
+def _target_logits(model: Any, batch: TokenBatch) -> torch.Tensor:
     hidden = decoder_hidden_states(model, batch)
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.target_index)
     return unwrap_model(model).get_output_embeddings()(selected)

@@ -160,11 +160,13 @@ class Policy:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    def save(self, folder: str | Path, extra: dict[str, Any] | None = None,
+             state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Save in Hugging Face format: the adapter (LoRA) or the whole model, plus the tokeniser.
 
         A policy whose base holds a merged checkpoint is saved as a whole model with its current
         adapters merged too (an adapter alone would point at the unmerged base and be wrong).
+        ``state_dict`` replaces the model's own (FSDP's gathered weights, keyed as ``self.model``'s).
         """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -172,6 +174,8 @@ class Policy:
             import copy
 
             copy.deepcopy(self.model).merge_and_unload().save_pretrained(folder)
+        elif state_dict is not None:
+            self.model.save_pretrained(folder, state_dict=state_dict)
         else:
             self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)

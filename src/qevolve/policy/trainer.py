@@ -15,6 +15,11 @@ and this module owns the rest:
 A checkpoint is ``<output_dir>/checkpoints/step-N``: the weights in Hugging Face format plus
 ``trainer_state.pt`` (optimizer, schedule, RNG states, the config fingerprint and whatever the
 stage adds), written to a temporary folder and renamed, so a crash never leaves half of one.
+
+Under a multi-process launcher (torchrun, accelerate launch) the trainer wraps the model in DDP or
+FSDP (``distributed.backend``), gives each rank every ``world_size``-th micro-batch of a step
+(:meth:`Trainer.local_groups`), and lets rank 0 alone write checkpoints; see
+:mod:`qevolve.distributed`. A checkpoint does not depend on the world size.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import torch
 from pydantic import Field
 
 from qevolve.config import StageConfig
-from qevolve.finite import check_finite, check_finite_parameters
+from qevolve.distributed import DistContext, DistributedConfig, init_distributed, shard_round_robin
+from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters, non_finite_error
 from qevolve.policy.batching import BatchMode, TrainSequence, plan_batches
 from qevolve.policy.model import Policy, unwrap_model
 
@@ -72,12 +78,15 @@ class TrainingConfig(StageConfig):
     save_final: bool = Field(True, description="save the final policy to output_dir/final")
     stop_after_steps: int | None = Field(None, ge=1, description="stop this invocation after N steps without a "
                                          "final save (tests the resume path; null: run to the end)")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="multi-process training under torchrun/accelerate launch")
 
 
 # Fields that may change between a run and its resumption: they do not change the trajectory of
 # the parameters.
 RESUME_FREE = frozenset({"progress", "tensorboard", "stop_after_steps", "save_every", "keep_checkpoints",
-                         "log_every", "eval_every", "resume", "output_dir", "save_final", "model.num_threads"})
+                         "log_every", "eval_every", "resume", "output_dir", "save_final", "model.num_threads",
+                         "distributed"})
 
 
 def cosine_schedule(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -181,7 +190,12 @@ class Trainer:
     the newest checkpoint and refuses a mismatched config early), then
     ``trainer.start(policy, sequences)`` once the data is tokenised, then per optimizer step
     ``trainer.step_groups(step)`` -> the micro-batches' sequence indices, the stage's forward and
-    backward passes, ``trainer.optimizer_step()``, and ``trainer.maybe_save(step, extra_state)``.
+    backward passes (through ``trainer.model``, on this rank's ``trainer.local_groups(groups)``,
+    each inside ``trainer.micro_batch(k, n)``; a micro-batch's loss through ``trainer.check_loss``
+    before its backward), ``trainer.optimizer_step(stage, step)`` (refuses a non-finite gradient
+    norm), ``trainer.maybe_save(step, extra_state)``, and at the end ``trainer.save_policy(folder,
+    extra, stage, step)`` (both check the parameters first). In one process ``trainer.model`` is
+    ``policy.model`` and the local groups are all of them.
     """
 
     def __init__(self, config: TrainingConfig, free: frozenset[str] = RESUME_FREE):
@@ -201,6 +215,9 @@ class Trainer:
                 raise ValueError(f"output_dir {self.output_dir}: its checkpoint was made with a different "
                                  f"{diff!r}; use the same config to resume or another output_dir")
         self.start_step = self.resume_state["step"] if self.resume_state else 0
+        self._pending_loss_error: NonFiniteError | None = None  # see check_loss
+        model_config = getattr(config, "model", None)
+        self.dist: DistContext = init_distributed(config.distributed, getattr(model_config, "device", "auto"))
         random.seed(config.seed)
         torch.manual_seed(config.seed)
 
@@ -215,18 +232,67 @@ class Trainer:
             1, math.ceil(config.epochs * self.micro_per_epoch / config.grad_accum_steps))
         warmup = config.optim.warmup_steps if config.optim.warmup_steps is not None else \
             int(round(config.optim.warmup_ratio * self.total_steps))
-        self.parameters = policy.trainable_parameters()
+        if self.resume_state is not None:
+            load_checkpoint_weights(policy, self.checkpoint)
+        self.model = self._wrap(policy)
+        self.parameters = policy.trainable_parameters()  # after FSDP replaced them with their shards
+        self._parameter_names = self._trainable_names()
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr, betas=tuple(config.optim.betas),
                                            eps=config.optim.eps, weight_decay=config.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_schedule(self.total_steps, warmup, config.optim.min_lr_ratio))
         self._plans: dict[int, list[list[int]]] = {0: first_plan}  # the current epoch's plan only
         if self.resume_state is not None:
-            load_checkpoint_weights(policy, self.checkpoint)
-            self.optimizer.load_state_dict(self.resume_state["optimizer"])
+            self.dist.load_optimizer_state(self.model, self.optimizer, self.resume_state["optimizer"],
+                                           self._parameter_names)
             self.scheduler.load_state_dict(self.resume_state["scheduler"])
             torch.set_rng_state(self.resume_state["torch_rng"])
             random.setstate(self.resume_state["python_rng"])
+
+    def _wrap(self, policy: Policy) -> Any:
+        if not self.dist.enabled:
+            return policy.model
+        from qevolve.policy.forward import TargetLogits
+
+        root = TargetLogits(policy.model)
+        if self.dist.kind == "fsdp":
+            if policy.merged:
+                raise ValueError("distributed.backend=fsdp: a policy with a merged LoRA base is not supported; "
+                                 "use ddp")
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in unwrap_model(policy.model).get_decoder().layers:
+                fully_shard(layer)
+            fully_shard(root)
+            return root
+        return self.dist.wrap_ddp(root, policy.device)
+
+    def _trainable_names(self) -> list[str]:
+        # the names torch.distributed.checkpoint gives the trainable parameters (FSDP checkpoints)
+        if self.dist.kind != "fsdp" or not self.dist.enabled:
+            return []
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def local_groups(self, groups: list[list[int]]) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches of a step as (group, weight): every ``world_size``-th one, padded with
+        weight-0 repeats of the first so that every rank runs as many (all of them, weight 1, in one process)."""
+        if not self.dist.enabled:
+            return [(group, 1.0) for group in groups]
+        return shard_round_robin(groups, self.dist.rank, self.dist.world_size, groups[0])
+
+    def loss_scale(self, weight: float) -> float:
+        """Factor of a local micro-batch's loss: its weight times the world size (DDP/FSDP average the ranks'
+        gradients; the step's loss is a sum over all its micro-batches)."""
+        return weight * self.dist.world_size
+
+    def micro_batch(self, index: int, count: int) -> Any:
+        """Context around the forward and backward of local micro-batch ``index`` of ``count``: the
+        gradients are reduced over the ranks after the last one only."""
+        return self.dist.micro_batch(self.model, index == count - 1)
+
+    def targets_of(self, groups: list[list[int]]) -> int:
+        """Agent tokens of the step's micro-batches (all ranks')."""
+        return sum(self.sequences[i].num_targets for group in groups for i in group)
 
     def _epoch_plan(self, epoch: int) -> list[list[int]]:
         # a pure function of (seed, epoch): a resumed run sees the same batches as an unbroken one
@@ -253,15 +319,26 @@ class Trainer:
         return limit is not None and step - self.start_step >= limit
 
     def optimizer_step(self, stage: str = "training", step: int | None = None) -> float | None:
-        """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm.
+        """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm (None when
+        ``optim.max_grad_norm`` is null).
 
         A NaN or infinite gradient norm (or loss, which makes one) raises
-        :class:`qevolve.finite.NonFiniteError` naming ``stage`` and ``step`` before anything is applied."""
+        :class:`qevolve.finite.NonFiniteError` naming ``stage`` and ``step`` before anything is applied. Under
+        DDP/FSDP the norm is that of the all-reduced gradients, the same on every rank, and a non-finite loss
+        one rank saw (:meth:`check_loss`) is shared, so every rank raises together."""
         max_norm = self.config.optim.max_grad_norm
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm if max_norm is not None
-                                                         else math.inf))
-        if not math.isfinite(grad_norm):
+        grad_norm = self.dist.full_value(torch.nn.utils.clip_grad_norm_(
+            self.parameters, max_norm if max_norm is not None else math.inf))
+        pending, self._pending_loss_error = self._pending_loss_error, None
+        if self.dist.enabled:
+            elsewhere = self.dist.sum([1.0 if pending is not None else 0.0])[0] > 0
+            if elsewhere and pending is None:
+                pending = non_finite_error(stage, step, "loss (on another rank)", "nan/inf",
+                                           latest_checkpoint(self.output_dir))
+        if pending is not None or not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
+            if pending is not None:
+                raise pending
             self.check_finite(grad_norm, stage, step, "gradient norm")
         self.optimizer.step()
         self.scheduler.step()
@@ -277,26 +354,87 @@ class Trainer:
 
     def check_parameters(self, stage: str, step: int | None) -> None:
         """NonFiniteError if a trainable parameter holds NaN or infinity (before any save)."""
-        named = [(n, p) for n, p in self.policy.model.named_parameters() if p.requires_grad]
-        check_finite_parameters(named, stage, step, latest_checkpoint(self.output_dir))
+        last_good = latest_checkpoint(self.output_dir)
+        # FSDP: each rank checks its own shards (DTensor.to_local); a rank's failure is shared
+        named = [(n, p.to_local() if hasattr(p, "to_local") else p)
+                 for n, p in self.policy.model.named_parameters() if p.requires_grad]
+        error: NonFiniteError | None = None
+        try:
+            check_finite_parameters(named, stage, step, last_good)
+        except NonFiniteError as exc:
+            error = exc
+        if self.dist.enabled and self.dist.sum([1.0 if error is not None else 0.0])[0] > 0 and error is None:
+            error = non_finite_error(stage, step, "parameter (on another rank)", "nan/inf", last_good)
+        if error is not None:
+            raise error
+
+    def check_loss(self, value: Any, stage: str, step: int | None, quantity: str = "loss") -> float:
+        """A micro-batch's loss, checked before its backward: in one process as :meth:`check_finite`.
+
+        Under DDP/FSDP a rank must not leave the collectives of a backward pass the others are in, so a
+        non-finite value is held and raised by every rank at the next :meth:`optimizer_step`, before it
+        applies anything."""
+        number = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        if math.isfinite(number):
+            return number
+        if not self.dist.enabled:
+            return self.check_finite(number, stage, step, quantity)  # raises
+        if self._pending_loss_error is None:
+            self._pending_loss_error = non_finite_error(stage, step, quantity, number,
+                                                        latest_checkpoint(self.output_dir))
+        return number
 
     def maybe_save(self, step: int, extra_state: dict[str, Any]) -> Path | None:
         """Checkpoint after optimizer step ``step`` when it is due (every ``save_every`` and the last)."""
         if step % self.config.save_every and step != self.total_steps:
             return None
         self.check_parameters("checkpoint", step)
-        state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                 "fingerprint": self.fingerprint, **extra_state}
+        optimizer_state = self.dist.optimizer_state(self.model, self.optimizer, self._parameter_names)
+        model_state = self._full_model_state()
+        final = self.output_dir / "checkpoints" / f"step-{step:06d}"
+        if self.dist.is_main:
+            state = {"step": step, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
+                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                     "fingerprint": self.fingerprint, **extra_state}
+            self._write_checkpoint(step, state, model_state)
+        self.dist.barrier()
+        return final
+
+    def _full_model_state(self) -> dict[str, torch.Tensor] | None:
+        # FSDP: gather the policy's unsharded weights (every rank takes part); keyed as policy.model's
+        if self.dist.kind != "fsdp" or not self.dist.enabled:
+            return None
+        state = self.dist.full_model_state(self.model)
+        if state is None:
+            return None
+        inner = unwrap_model(self.policy.model)
+        # tied weights (the output layer = the embeddings) are saved once, as save_pretrained does
+        tied = set(getattr(inner, "_tied_weights_keys", None) or {}) \
+            if getattr(inner.config, "tie_word_embeddings", False) else set()
+        state = {name.removeprefix("model."): value for name, value in state.items()}
+        return {name: value for name, value in state.items()
+                if not any(name == key or name.endswith("." + key) for key in tied)}
+
+    def save_policy(self, folder: Path, extra: dict[str, Any], stage: str = "final",
+                    step: int | None = None) -> Path:
+        """Save the policy (rank 0 writes; every rank returns the folder), after :meth:`check_parameters`
+        (``stage``, ``step``): never a non-finite model."""
+        self.check_parameters(stage, step)
+        model_state = self._full_model_state()
+        if self.dist.is_main:
+            self.policy.save(folder, extra, state_dict=model_state)
+        self.dist.barrier()
+        return folder
+
+    def _write_checkpoint(self, step: int, state: dict[str, Any], model_state: dict[str, torch.Tensor] | None) -> None:
         folder = self.output_dir / "checkpoints"
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / f"step-{step:06d}"
         staging = folder / f".tmp-step-{step:06d}"
         shutil.rmtree(staging, ignore_errors=True)
-        self.policy.save(staging, {"step": step})
+        self.policy.save(staging, {"step": step}, state_dict=model_state)
         torch.save(state, staging / "trainer_state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         for old in _checkpoint_dirs(self.output_dir)[:-self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
-        return final

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from qevolve.buffer.store import Episode, Turn, settle_final_reward
 from qevolve.config import StageConfig
-from qevolve.environments.pool import EnvPool
+from qevolve.environments.pool import PoolConfig, make_pool
 from qevolve.environments.turn_format import parse_turn
 from qevolve.progress import progress_bar
 from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, SamplingParams
@@ -59,6 +59,8 @@ class AgentConfig(StageConfig):
     step_timeout: float = Field(120.0, gt=0, description="seconds an environment step may take before its worker "
                                 "is replaced (the episode then counts as failed)")
     max_turns: int | None = Field(None, ge=1, description="cap on turns per episode (null: the environment's own)")
+    pool: PoolConfig = Field(default_factory=PoolConfig, description="where the environments run (worker "
+                             "processes or Ray actors)")
 
 
 def resolve_backend(name: str) -> str:
@@ -139,7 +141,8 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
         bar.set_postfix(won=f"{won}/{len(finished)}", tok_s=f"{tokens / max(gen_seconds, 1e-9):.0f}")
         bar.update(1)
 
-    with EnvPool(env_name, env_kwargs, num_workers=config.num_workers, step_timeout=config.step_timeout) as pool:
+    with make_pool(config.pool, env_name, env_kwargs, num_workers=config.num_workers,
+                   step_timeout=config.step_timeout) as pool:
         while queue or live:
             # 1. Start new episodes in free slots.
             starting: list[tuple[int, str, str]] = []
