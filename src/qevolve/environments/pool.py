@@ -210,7 +210,48 @@ class PoolError(RuntimeError):
 RECYCLE_AFTER: dict[str, int] = {"alfworld": 25}
 
 
-class EnvPool:
+class LockstepSlots:
+    """reset/step/call over slots, shared by the process pool and the Ray pool.
+
+    A pool provides ``_round(commands, per_command_timeout)`` (one command per slot, answered with
+    ``(kind, payload)``), ``_lost_slots`` (slot -> why its worker was lost) and the two timeouts."""
+
+    _lost_slots: dict[int, str]
+    reset_timeout: float
+    step_timeout: float
+
+    @staticmethod
+    def _failed_step(reason: str) -> StepResult:
+        return StepResult("", 0.0, True, {"won": False, "score": 0.0, "valid_action": False,
+                                           "failed": True, "error": reason})
+
+    def reset(self, requests: list[tuple[int, str]]) -> dict[int, str | StepResult]:
+        """Reset slots to tasks; a failed reset comes back as a failed :class:`StepResult`."""
+        for slot, _ in requests:
+            self._lost_slots.pop(slot, None)
+        replies = self._round([(slot, "reset", task) for slot, task in requests], self.reset_timeout)
+        return {slot: payload if kind == "ok" else self._failed_step(str(payload))
+                for slot, (kind, payload) in replies.items()}
+
+    def step(self, requests: list[tuple[int, str]]) -> dict[int, StepResult]:
+        """Step slots with actions in parallel. A failure ends that slot's episode (``done``)."""
+        lost = {slot: self._failed_step(self._lost_slots[slot]) for slot, _ in requests if slot in self._lost_slots}
+        live = [(slot, "step", action) for slot, action in requests if slot not in lost]
+        replies = self._round(live, self.step_timeout) if live else {}
+        results = {slot: payload if kind == "ok" else self._failed_step(str(payload))
+                   for slot, (kind, payload) in replies.items()}
+        results.update(lost)
+        return results
+
+    def call(self, slot: int, method: str, *args: Any) -> Any:
+        """Call a method of a slot's environment (e.g. ``admissible_actions``)."""
+        kind, payload = self._round([(slot, "call", (method, args))], self.step_timeout)[slot]
+        if kind != "ok":
+            raise PoolError(f"{method} on slot {slot} failed: {payload}")
+        return payload
+
+
+class EnvPool(LockstepSlots):
     """``num_workers`` processes owning environments of ``env_name`` built with ``env_kwargs``."""
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any] | None = None, num_workers: int = 2,
@@ -432,36 +473,6 @@ class EnvPool:
                         replies[slot] = ("failed", reason)
                     self._replace(index)
         return replies
-
-    @staticmethod
-    def _failed_step(reason: str) -> StepResult:
-        return StepResult("", 0.0, True, {"won": False, "score": 0.0, "valid_action": False,
-                                           "failed": True, "error": reason})
-
-    def reset(self, requests: list[tuple[int, str]]) -> dict[int, str | StepResult]:
-        """Reset slots to tasks; a failed reset comes back as a failed :class:`StepResult`."""
-        for slot, _ in requests:
-            self._lost_slots.pop(slot, None)
-        replies = self._round([(slot, "reset", task) for slot, task in requests], self.reset_timeout)
-        return {slot: payload if kind == "ok" else self._failed_step(str(payload))
-                for slot, (kind, payload) in replies.items()}
-
-    def step(self, requests: list[tuple[int, str]]) -> dict[int, StepResult]:
-        """Step slots with actions in parallel. A failure ends that slot's episode (``done``)."""
-        lost = {slot: self._failed_step(self._lost_slots[slot]) for slot, _ in requests if slot in self._lost_slots}
-        live = [(slot, "step", action) for slot, action in requests if slot not in lost]
-        replies = self._round(live, self.step_timeout) if live else {}
-        results = {slot: payload if kind == "ok" else self._failed_step(str(payload))
-                   for slot, (kind, payload) in replies.items()}
-        results.update(lost)
-        return results
-
-    def call(self, slot: int, method: str, *args: Any) -> Any:
-        """Call a method of a slot's environment (e.g. ``admissible_actions``)."""
-        kind, payload = self._round([(slot, "call", (method, args))], self.step_timeout)[slot]
-        if kind != "ok":
-            raise PoolError(f"{method} on slot {slot} failed: {payload}")
-        return payload
 
 
 def default_num_workers() -> int:

@@ -22,8 +22,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from qevolve.environments.base import Environment, StepResult, make_environment
-from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodeOutcome, PoolError, play_episode
+from qevolve.environments.base import Environment, make_environment
+from qevolve.environments.pool import EpisodeJob, EpisodeOutcome, LockstepSlots, play_episode
 
 __all__ = ["RayEnvPool"]
 
@@ -91,7 +91,7 @@ class _Actor:
     slots: set[int] = field(default_factory=set)
 
 
-class RayEnvPool:
+class RayEnvPool(LockstepSlots):
     """``num_workers`` Ray actors owning environments of ``env_name`` built with ``env_kwargs``."""
 
     def __init__(self, env_name: str, env_kwargs: dict[str, Any] | None = None, num_workers: int = 2,
@@ -283,30 +283,4 @@ class RayEnvPool:
                 per_actor.pop(index, None)
                 self._replace(index)
         return replies
-
-    def reset(self, requests: list[tuple[int, str]]) -> dict[int, str | StepResult]:
-        """Reset slots to tasks; a failed reset comes back as a failed :class:`StepResult`."""
-        for slot, _ in requests:
-            self._lost_slots.pop(slot, None)
-        replies = self._round([(slot, "reset", task) for slot, task in requests], self.reset_timeout)
-        return {slot: payload if kind == "ok" else EnvPool._failed_step(str(payload))
-                for slot, (kind, payload) in replies.items()}
-
-    def step(self, requests: list[tuple[int, str]]) -> dict[int, StepResult]:
-        """Step slots with actions in parallel. A failure ends that slot's episode (``done``)."""
-        lost = {slot: EnvPool._failed_step(self._lost_slots[slot]) for slot, _ in requests
-                if slot in self._lost_slots}
-        live = [(slot, "step", action) for slot, action in requests if slot not in lost]
-        replies = self._round(live, self.step_timeout) if live else {}
-        results = {slot: payload if kind == "ok" else EnvPool._failed_step(str(payload))
-                   for slot, (kind, payload) in replies.items()}
-        results.update(lost)
-        return results
-
-    def call(self, slot: int, method: str, *args: Any) -> Any:
-        """Call a method of a slot's environment (e.g. ``admissible_actions``)."""
-        kind, payload = self._round([(slot, "call", (method, args))], self.step_timeout)[slot]
-        if kind != "ok":
-            raise PoolError(f"{method} on slot {slot} failed: {payload}")
-        return payload
 
