@@ -256,15 +256,10 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
     losses: list[float] = []
     tokens_done = 0
     compute_seconds = 0.0
-    interrupted = False
-    step = start_step
     bar = progress_bar(total=total_steps, initial=start_step, desc="bc", unit="step", enabled=config.progress,
                        silent=not dist.is_main)
     model.train()
-    while step < total_steps:
-        if trainer.should_stop(step):
-            interrupted = True
-            break
+    for step in trainer.pending_steps():
         t0 = time.perf_counter()
         groups = trainer.step_groups(step)
         step_targets = trainer.targets_of(groups)  # over every rank's micro-batches
@@ -287,26 +282,22 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
             step_nll, step_correct, step_tokens = dist.sum([step_nll, step_correct, step_tokens])
         # the step's loss over every rank's micro-batches: the same on all ranks, so all raise together
         loss = trainer.check_finite(step_nll / step_targets, "bc", step + 1, "loss")
-        grad_norm = trainer.optimizer_step("bc", step + 1)
-        step += 1
-        seconds = time.perf_counter() - t0
-        compute_seconds += seconds
+        step_stats = {"loss": loss, "agent_accuracy": step_correct / step_targets}
+        done = trainer.finish_step("bc", step, step_stats, step_tokens, t0)
+        compute_seconds += time.perf_counter() - t0
         tokens_done += step_tokens
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_tokens / seconds:.0f}")
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{step_stats['tokens_per_second']:.0f}")
         bar.update(1)
-        if step % config.log_every == 0:
-            values = {"train/loss": loss, "train/agent_accuracy": step_correct / step_targets,
-                      "train/lr": trainer.scheduler.get_last_lr()[0], "train/tokens_per_second": step_tokens / seconds,
-                      "train/epoch": trainer.epoch_at(step)}
-            if grad_norm is not None:
-                values["train/grad_norm"] = grad_norm
-            writer.scalars(step, values)
-        if config.eval_every and step % config.eval_every == 0 and data.eval and step < total_steps:
+        if done % config.log_every == 0:
+            writer.scalars(done, {**{f"train/{k}": v for k, v in step_stats.items()},
+                                  "train/lr": trainer.scheduler.get_last_lr()[0], "train/epoch": trainer.epoch_at(done)})
+        if config.eval_every and done % config.eval_every == 0 and data.eval and done < total_steps:
             metrics = evaluate_nll(policy, data.eval, config.tokens_per_batch, config.batching, model)
-            writer.scalars(step, {f"eval/{k}": v for k, v in metrics.items() if k.startswith("agent")})
-        trainer.maybe_save(step, {"eval_before": eval_before, "config": config.model_dump(mode="json")})
+            writer.scalars(done, {f"eval/{k}": v for k, v in metrics.items() if k.startswith("agent")})
+        trainer.maybe_save(done, {"eval_before": eval_before, "config": config.model_dump(mode="json")})
     bar.close()
+    step, interrupted = trainer.steps_done, trainer.interrupted
 
     eval_after = None
     final_dir = None
@@ -317,9 +308,7 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
             writer.scalars(step, {f"eval/{k}": v for k, v in eval_after.items() if k.startswith("agent")})
             log(f"bc: held-out agent-token NLL after training {eval_after['agent_nll']:.4f} "
                 f"(accuracy {eval_after['agent_accuracy']:.3f})")
-        if config.save_final:
-            # checks the parameters first: never a non-finite final model
-            final_dir = trainer.save_policy(output_dir / "final", {"bc_steps": step}, "bc", step)
+        final_dir = trainer.save_final("bc", step, {"bc_steps": step})
     writer.close()
     result = BCResult(step, total_steps, start_step, interrupted, len(data.train), train_tokens, train_targets,
                       eval_before, eval_after, tokens_done / compute_seconds if compute_seconds else 0.0,

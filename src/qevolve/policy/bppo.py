@@ -228,16 +228,11 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         return batch, old, ref, adv
 
     stats_log: list[dict[str, float]] = []
-    interrupted = False
-    step = start_step
     model = trainer.model  # policy.model, or its DDP/FSDP wrapper
     model.train()
     bar = progress_bar(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
                        enabled=config.progress, silent=not dist.is_main)
-    while step < total_steps:
-        if trainer.should_stop(step):
-            interrupted = True
-            break
+    for step in trainer.pending_steps():
         t0 = time.perf_counter()
         groups = trainer.step_groups(step)
         shift, adv_scale = 0.0, 1.0
@@ -271,26 +266,19 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
             keys = sorted(step_stats)
             *values, step_tokens = dist.sum([step_stats[key] for key in keys] + [step_tokens])
             step_stats = dict(zip(keys, values))
-        grad_norm = trainer.optimizer_step(f"policy/{config.objective.name}", step + 1)
-        if grad_norm is not None:
-            step_stats["grad_norm"] = grad_norm
-        step += 1
-        step_stats["tokens_per_second"] = step_tokens / (time.perf_counter() - t0)
+        done = trainer.finish_step(f"policy/{config.objective.name}", step, step_stats, step_tokens, t0)
         stats_log.append(step_stats)
         bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
         bar.update(1)
-        if step % config.log_every == 0:
-            writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
-        trainer.maybe_save(step, {"old_logprobs": old_logp, "ref_logprobs": ref_logp})
+        if done % config.log_every == 0:
+            writer.scalars(done, {f"policy/{k}": v for k, v in step_stats.items()})
+        trainer.maybe_save(done, {"old_logprobs": old_logp, "ref_logprobs": ref_logp})
     bar.close()
     writer.close()
-    final_dir = None
+    step, interrupted = trainer.steps_done, trainer.interrupted
     output_dir = trainer.output_dir
-    if not interrupted and config.save_final:
-        # checks the parameters first: never a non-finite final model
-        final_dir = trainer.save_policy(output_dir / "final", {"policy_steps": step,
-                                                               "objective": config.objective.name},
-                                        f"policy/{config.objective.name}", step)
+    final_dir = trainer.save_final(f"policy/{config.objective.name}", step,
+                                   {"policy_steps": step, "objective": config.objective.name})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
                           time.perf_counter() - started, final_dir, stats_log)
     if not interrupted and dist.is_main:

@@ -146,15 +146,10 @@ def run_dpo(config, log: Callable[[str], None] = print):
     writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
     pad_id = policy.tokenizer.pad_token_id or 0
     stats_log: list[dict[str, float]] = []
-    interrupted = False
-    step = start_step
     model = trainer.model  # policy.model: DPO runs in one process
     model.train()
     bar = progress_bar(total=total_steps, initial=start_step, desc="policy/dpo", unit="step", enabled=progress)
-    while step < total_steps:
-        if trainer.should_stop(step):
-            interrupted = True
-            break
+    for step in trainer.pending_steps():
         t0 = time.perf_counter()
         groups = trainer.step_groups(step)
         step_pairs = sum(len(group) for group in groups)
@@ -195,24 +190,17 @@ def run_dpo(config, log: Callable[[str], None] = print):
                                ("rejected_logratio", float((torch.stack(rejected).detach().cpu()
                                                             - torch.tensor(ref_r)).mean()))):
                 step_stats[key] = step_stats.get(key, 0.0) + value * share
-        grad_norm = trainer.optimizer_step("policy/dpo", step + 1)
-        if grad_norm is not None:
-            step_stats["grad_norm"] = grad_norm
-        step += 1
-        step_stats["tokens_per_second"] = tokens / (time.perf_counter() - t0)
+        done = trainer.finish_step("policy/dpo", step, step_stats, tokens, t0)
         stats_log.append(step_stats)
         bar.set_postfix(loss=f"{step_stats['loss']:.4f}", acc=f"{step_stats['reward_accuracy']:.2f}")
         bar.update(1)
-        if step % config.log_every == 0:
-            writer.scalars(step, {f"policy/{k}": v for k, v in step_stats.items()})
-        trainer.maybe_save(step, {"ref_logprobs": ref_logp})
+        if done % config.log_every == 0:
+            writer.scalars(done, {f"policy/{k}": v for k, v in step_stats.items()})
+        trainer.maybe_save(done, {"ref_logprobs": ref_logp})
     bar.close()
     writer.close()
-    final_dir = None
-    if not interrupted and config.save_final:
-        # checks the parameters first: never a non-finite final model
-        final_dir = trainer.save_policy(trainer.output_dir / "final", {"policy_steps": step, "objective": "dpo"},
-                                        "policy/dpo", step)
+    step, interrupted = trainer.steps_done, trainer.interrupted
+    final_dir = trainer.save_final("policy/dpo", step, {"policy_steps": step, "objective": "dpo"})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), sum(s.num_targets for s in sequences),
                           time.perf_counter() - started, final_dir, stats_log)
     if not interrupted:

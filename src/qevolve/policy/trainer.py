@@ -28,8 +28,9 @@ import math
 import os
 import random
 import shutil
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from pydantic import Field
@@ -317,6 +318,38 @@ class Trainer:
         """True when this invocation must stop early (``stop_after_steps``: the resume path's test hook)."""
         limit = self.config.stop_after_steps
         return limit is not None and step - self.start_step >= limit
+
+    def pending_steps(self) -> Iterator[int]:
+        """The 0-based indices of the optimizer steps this invocation still runs.
+
+        Ends early on a stop request (:meth:`should_stop`), setting ``self.interrupted``; ``self.steps_done``
+        counts the steps finished so far (:meth:`finish_step`), the resumed ones included."""
+        self.interrupted = False
+        self.steps_done = self.start_step
+        for step in range(self.start_step, self.total_steps):
+            if self.should_stop(step):
+                self.interrupted = True
+                return
+            yield step
+
+    def finish_step(self, stage: str, step: int, stats: dict[str, float], tokens: int, started: float) -> int:
+        """The optimizer step closing step ``step`` (0-based) of every stage's loop; returns the steps done.
+
+        Adds ``grad_norm`` (when clipping is on) and ``tokens_per_second`` (``tokens`` since ``started``, a
+        ``time.perf_counter()`` reading) to ``stats``."""
+        grad_norm = self.optimizer_step(stage, step + 1)
+        if grad_norm is not None:
+            stats["grad_norm"] = grad_norm
+        stats["tokens_per_second"] = tokens / max(time.perf_counter() - started, 1e-9)
+        self.steps_done = step + 1
+        return self.steps_done
+
+    def save_final(self, stage: str, step: int, extra: dict[str, Any]) -> Path | None:
+        """The final policy in ``output_dir/final`` unless interrupted or ``save_final`` is off (parameters
+        checked first: never a non-finite final model); its folder, or None."""
+        if self.interrupted or not self.config.save_final:
+            return None
+        return self.save_policy(self.output_dir / "final", extra, stage, step)
 
     def optimizer_step(self, stage: str = "training", step: int | None = None) -> float | None:
         """Clip, step the optimizer and the schedule, clear the gradients; returns the gradient norm (None when
