@@ -48,6 +48,14 @@ def all_data_installed():
 
 
 @pytest.fixture(scope="session")
+def tiny_critic_init(tmp_path_factory) -> Path:
+    """A tiny randomly initialised Llama (seed 0) for critic tests (see qevolve.critic.testing)."""
+    from qevolve.critic.testing import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-critic") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A byte-level BPE tokeniser with ChatML tokens and template (see qevolve.policy.testing)."""
     from qevolve.policy.testing import tiny_tokenizer as build

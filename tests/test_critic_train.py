@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from qevolve.buffer.store import read_episodes, write_episodes
-from qevolve.critic.config import CriticConfig
-from qevolve.critic.testing import save_tiny_llama, synthetic_buffer
+from qevolve.critic.testing import synthetic_buffer, tiny_critic_config
 from qevolve.critic.train import CRITIC_FILE, METRICS_FILE, STATE_FILE, critic_samples, load_critic, predict_values, train_critic
 from qevolve.config import ConfigError, load_config
 from qevolve.process_rewards.label import LabelConfig, label_episodes
@@ -20,22 +19,10 @@ from qevolve.process_rewards.label import LabelConfig, label_episodes
 
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-def _config(tiny_folder, tmp_path, **changes) -> CriticConfig:
-    values = dict(init=str(tiny_folder), dtype="float32", device="cpu", epochs=3, batch_tokens=256, lr=3e-3,
-                  feature_cache_dir=str(tmp_path / "features"), checkpoint_every_steps=2, head_hidden=32)
-    values.update(changes)
-    return CriticConfig.model_validate(values)
-
-
-def test_frozen_critic_ranks_success_above_failure_on_held_out(tiny_folder, tmp_path):
+def test_frozen_critic_ranks_success_above_failure_on_held_out(tiny_critic_init, tmp_path):
     train = synthetic_buffer(48, seed=1, min_turns=1, max_turns=5)
     held_out = synthetic_buffer(16, seed=99, min_turns=1, max_turns=5)
-    config = _config(tiny_folder, tmp_path, epochs=40, iql={"polyak": 0.05}, checkpoint_every_steps=10_000)
+    config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=40, iql={"polyak": 0.05}, checkpoint_every_steps=10_000)
     summary = train_critic(train, config, tmp_path / "run", progress=False)
     assert summary["finished"] and len(summary["history"]) == 40
     history = summary["history"]
@@ -54,9 +41,9 @@ def test_frozen_critic_ranks_success_above_failure_on_held_out(tiny_folder, tmp_
     assert rows[-1]["explained_variance"] > rows[0]["explained_variance"]
 
 
-def test_resumed_training_equals_uninterrupted(tiny_folder, tmp_path):
+def test_resumed_training_equals_uninterrupted(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(12, seed=5)
-    config = _config(tiny_folder, tmp_path, epochs=3)
+    config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=3)
     full = train_critic(episodes, config, tmp_path / "a", progress=False)
     partial = train_critic(episodes, config, tmp_path / "b", progress=False, stop_after_steps=3)
     assert not partial["finished"] and (tmp_path / "b" / STATE_FILE).is_file()
@@ -70,7 +57,7 @@ def test_resumed_training_equals_uninterrupted(tiny_folder, tmp_path):
             torch.testing.assert_close(b[key][name], tensor, rtol=0, atol=0)
     assert [r["loss_q"] for r in a["history"]] == pytest.approx([r["loss_q"] for r in b["history"]])
 
-    changed = _config(tiny_folder, tmp_path, epochs=3, lr=1e-3)
+    changed = tiny_critic_config(tiny_critic_init, tmp_path, epochs=3, lr=1e-3)
     train_critic(episodes, config, tmp_path / "c", progress=False, stop_after_steps=1)
     with pytest.raises(ValueError, match=r"cannot resume \(config differs in \['lr'\]\)"):
         train_critic(episodes, changed, tmp_path / "c", progress=False)
@@ -78,9 +65,9 @@ def test_resumed_training_equals_uninterrupted(tiny_folder, tmp_path):
         train_critic(synthetic_buffer(12, seed=6), config, tmp_path / "c", progress=False)
 
 
-def test_lora_critic_trains_saves_and_reloads(tiny_folder, tmp_path):
+def test_lora_critic_trains_saves_and_reloads(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(6, seed=2, max_turns=3)
-    config = _config(tiny_folder, tmp_path, backbone="lora", epochs=2, backbone_lr=1e-3, lora={"r": 2})
+    config = tiny_critic_config(tiny_critic_init, tmp_path, backbone="lora", epochs=2, backbone_lr=1e-3, lora={"r": 2})
     summary = train_critic(episodes, config, tmp_path / "lora", progress=False)
     assert all(np.isfinite(r["loss_q"]) for r in summary["history"])
     saved = torch.load(tmp_path / "lora" / CRITIC_FILE, weights_only=False)
@@ -93,10 +80,10 @@ def test_lora_critic_trains_saves_and_reloads(tiny_folder, tmp_path):
         np.testing.assert_array_equal(q1, q2)
 
 
-def test_labelling_twice_gives_identical_output(tiny_folder, tmp_path):
+def test_labelling_twice_gives_identical_output(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(10, seed=7)
     episodes[0].turns[0].action_valid = False
-    config = _config(tiny_folder, tmp_path, epochs=2)
+    config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=2)
     train_critic(episodes, config, tmp_path / "run", progress=False)
     write_episodes(tmp_path / "buffer.parquet", episodes)
     outputs = []
@@ -113,9 +100,9 @@ def test_labelling_twice_gives_identical_output(tiny_folder, tmp_path):
     assert summary["turns"] == len(turns)
 
 
-def test_label_estimators_and_standardisation(tiny_folder, tmp_path):
+def test_label_estimators_and_standardisation(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(8, seed=8)
-    config = _config(tiny_folder, tmp_path, epochs=1)
+    config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=1)
     train_critic(episodes, config, tmp_path / "run", progress=False)
     critic = load_critic(tmp_path / "run")
     labelled, _ = label_episodes(synthetic_buffer(8, seed=8), critic, LabelConfig(estimator="q_minus_v"), progress=False)
@@ -127,11 +114,11 @@ def test_label_estimators_and_standardisation(tiny_folder, tmp_path):
     assert advantages.mean() == pytest.approx(0.0, abs=1e-9) and advantages.std() == pytest.approx(1.0, rel=1e-6)
 
 
-def test_label_q_source_online_by_default_or_target(tiny_folder, tmp_path):
+def test_label_q_source_online_by_default_or_target(tiny_critic_init, tmp_path):
     """Q - V reads the online Q heads (the method's Q) unless q_source=target asks for Qbar."""
     import copy
 
-    config = _config(tiny_folder, tmp_path, epochs=1)
+    config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=1)
     train_critic(synthetic_buffer(6, seed=3), config, tmp_path / "run", progress=False)
     critic = load_critic(tmp_path / "run")
     # make Qbar differ from Q by exactly +1: a copy of the online heads with 1 added to the output bias
@@ -153,7 +140,7 @@ def test_label_q_source_online_by_default_or_target(tiny_folder, tmp_path):
         load_config(LabelConfig, None, ["q_source=qbar"])
 
 
-def test_cli_critic_and_label(tiny_folder, tmp_path, monkeypatch):
+def test_cli_critic_and_label(tiny_critic_init, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from qevolve.cli import app
@@ -164,7 +151,7 @@ def test_cli_critic_and_label(tiny_folder, tmp_path, monkeypatch):
     config_path = tmp_path / "critic.yaml"
     config_path.write_text("epochs: 2\ndtype: float32\nbatch_tokens: 256\nhead_hidden: 16\n")
     runner = CliRunner()
-    result = runner.invoke(app, ["critic", "--buffer", str(tmp_path / "buffer.parquet"), "--init", str(tiny_folder),
+    result = runner.invoke(app, ["critic", "--buffer", str(tmp_path / "buffer.parquet"), "--init", str(tiny_critic_init),
                                  "--output", str(tmp_path / "critic"), "--config", str(config_path), "--no-progress",
                                  "iql.expectile=0.8"])
     assert result.exit_code == 0, result.output

@@ -11,7 +11,7 @@ import torch
 
 from qevolve.buffer.store import write_episodes
 from qevolve.critic.config import CriticConfig
-from qevolve.critic.testing import save_tiny_llama, synthetic_buffer
+from qevolve.critic.testing import synthetic_buffer, tiny_critic_config
 from qevolve.critic.train import CRITIC_FILE, STATE_FILE, load_critic, train_critic
 from qevolve.finite import NonFiniteError
 from qevolve.policy.model import ModelConfig
@@ -19,30 +19,24 @@ from qevolve.policy.prompts import PromptConfig
 from qevolve.process_rewards.label import LabelConfig, label_episodes
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+def critic_config(init, tmp_path, **changes) -> CriticConfig:
+    """Smaller batches and a checkpoint every step: the guards must fire before and between checkpoints."""
+    return tiny_critic_config(init, tmp_path, **{"batch_tokens": 64, "checkpoint_every_steps": 1, "head_hidden": 16,
+                                                 **changes})
 
 
-def critic_config(tiny_folder, tmp_path, **changes) -> CriticConfig:
-    values = dict(init=str(tiny_folder), dtype="float32", device="cpu", epochs=3, batch_tokens=64, lr=3e-3,
-                  feature_cache_dir=str(tmp_path / "features"), checkpoint_every_steps=1, head_hidden=16)
-    values.update(changes)
-    return CriticConfig.model_validate(values)
-
-
-def test_critic_stops_at_a_nan_reward_without_writing_a_critic(tiny_folder, tmp_path):
+def test_critic_stops_at_a_nan_reward_without_writing_a_critic(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(12, seed=3)
     episodes[5].turns[-1].reward = float("nan")  # in memory: the store would refuse it
     with pytest.raises(NonFiniteError, match=r"^critic \(epoch 1\): non-finite loss_q \(nan\) at step \d+; "
                                              r"stopped without applying it"):
-        train_critic(episodes, critic_config(tiny_folder, tmp_path), tmp_path / "run", progress=False)
+        train_critic(episodes, critic_config(tiny_critic_init, tmp_path), tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / CRITIC_FILE).exists()
 
 
-def test_label_refuses_a_critic_with_non_finite_values(tiny_folder, tmp_path):
+def test_label_refuses_a_critic_with_non_finite_values(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(6, seed=4)
-    train_critic(episodes, critic_config(tiny_folder, tmp_path, epochs=1), tmp_path / "run", progress=False)
+    train_critic(episodes, critic_config(tiny_critic_init, tmp_path, epochs=1), tmp_path / "run", progress=False)
     critic = load_critic(tmp_path / "run")
     with torch.no_grad():
         critic.heads.v[-1].bias.fill_(float("nan"))
@@ -51,7 +45,7 @@ def test_label_refuses_a_critic_with_non_finite_values(tiny_folder, tmp_path):
     assert all(t.value is None for ep in episodes for t in ep.turns)
 
 
-def test_a_non_finite_critic_is_never_saved(tiny_folder, tmp_path, monkeypatch):
+def test_a_non_finite_critic_is_never_saved(tiny_critic_init, tmp_path, monkeypatch):
     import qevolve.critic.train as train
 
     episodes = synthetic_buffer(6, seed=4)
@@ -68,7 +62,7 @@ def test_a_non_finite_critic_is_never_saved(tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "iql_losses", exploding)
     with pytest.raises(NonFiniteError, match=r"critic \(epoch \d\): non-finite gradient norm \((nan|inf)\) at "
                                              r"step 3; .*the last good checkpoint .*train_state\.pt is kept"):
-        train_critic(episodes, critic_config(tiny_folder, tmp_path), tmp_path / "run", progress=False)
+        train_critic(episodes, critic_config(tiny_critic_init, tmp_path), tmp_path / "run", progress=False)
     state = torch.load(tmp_path / "run" / STATE_FILE, weights_only=False)
     assert state["global_step"] == 2 and not (tmp_path / "run" / CRITIC_FILE).exists()
     assert all(torch.isfinite(v).all() for v in state["heads"].values())

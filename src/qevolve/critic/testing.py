@@ -60,3 +60,13 @@ def synthetic_buffer(num_episodes: int, seed: int = 0, min_turns: int = 1, max_t
     rng = random.Random(seed)
     return [synthetic_episode(rng, i, rng.randint(min_turns, max_turns), success=i % 2 == 0)
             for i in range(num_episodes)]
+
+
+def tiny_critic_config(init: str | Path, tmp_path: str | Path, **changes):
+    """A CriticConfig for a tiny model at ``init``: CPU, float32, a few epochs, features cached under ``tmp_path``."""
+    from qevolve.critic.config import CriticConfig
+
+    values = dict(init=str(init), dtype="float32", device="cpu", epochs=3, batch_tokens=256, lr=3e-3,
+                  feature_cache_dir=str(Path(tmp_path) / "features"), checkpoint_every_steps=2, head_hidden=32)
+    values.update(changes)
+    return CriticConfig.model_validate(values)

@@ -82,6 +82,13 @@ class GenerationStats:
     seconds: float = 0.0
 
 
+def has_requests(requests: Sequence[GenerationRequest]) -> bool:
+    """False for an empty batch (nothing to generate); a request without prompt tokens is a ValueError."""
+    if any(not r.prompt_ids for r in requests):
+        raise ValueError("every prompt needs at least one token")
+    return bool(requests)
+
+
 class GenerationBackend(abc.ABC):
     """Generates one agent turn for each of a batch of prompts."""
 
@@ -354,10 +361,8 @@ class HFGenerationBackend(GenerationBackend):
         import time
 
         started = time.perf_counter()
-        if not requests:
+        if not has_requests(requests):
             return []
-        if any(not r.prompt_ids for r in requests):
-            raise ValueError("every prompt needs at least one token")
         chunks = self._plan(requests)
         device = self.device
         batch = len(requests)

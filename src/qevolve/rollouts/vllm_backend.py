@@ -41,7 +41,7 @@ from pydantic import Field
 
 from qevolve.config import StageConfig
 from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, GenerationResult, GenerationStats, \
-    SamplingParams
+    SamplingParams, has_requests
 
 __all__ = ["MissingVLLM", "VLLMSettings", "VLLMGenerationBackend", "vllm_available", "require_vllm",
            "whole_model_folder", "build_engine", "backend_for_checkpoint", "shutdown_engine", "MISSING_VLLM"]
@@ -211,10 +211,8 @@ class VLLMGenerationBackend(GenerationBackend):
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationResult]:
         started = time.perf_counter()
-        if not requests:
+        if not has_requests(requests):
             return []
-        if any(not r.prompt_ids for r in requests):
-            raise ValueError("every prompt needs at least one token")
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
