@@ -36,6 +36,11 @@ def experts_path(alfworld_experts, tmp_path_factory):
 
 def test_two_iterations_end_to_end_and_resume_after_a_kill_in_the_critic(experts_path, tiny_model_dir, tmp_path,
                                                                          monkeypatch):
+    import qevolve.evolve.loop as loop
+
+    released = []
+    real_release = loop.release_free_memory
+    monkeypatch.setattr(loop, "release_free_memory", lambda: released.append(1) or real_release())
     config = tiny_config(tmp_path / "a", experts_path, tiny_model_dir)
     table = run_evolve(config, log=lambda m: None)
     root = tmp_path / "a" / "runs" / "tiny"
@@ -51,6 +56,7 @@ def test_two_iterations_end_to_end_and_resume_after_a_kill_in_the_critic(experts
                for ep in labelled for t in ep.turns)
     assert (root / "iter_2/policy/final/adapter_config.json").is_file()
     assert len((root / "metrics.jsonl").read_text().splitlines()) == len(names)
+    assert len(released) == len(names)  # freed heap memory handed back after every stage
 
     # Same run, killed inside iteration 1's critic stage, then resumed.
     import qevolve.critic.train as critic_train
