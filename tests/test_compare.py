@@ -43,7 +43,7 @@ def _fake_run(root, name, outcomes_by_stage):
                                  action_valid=(task != "t0")))
             episodes.append(ep)
         write_shard(run / stage / "trajectories", 0, episodes)
-        stages.append({"name": stage, "outputs": {"trajectories": "trajectories"},
+        stages.append({"name": stage, "outputs": {"trajectories": f"{stage}/trajectories"},  # run-relative
                        "metrics": {"success_rate": sum(w for w, _ in outcomes.values()) / len(outcomes)}})
     stages.append({"name": "iter_1/critic", "outputs": {}, "metrics": {"explained_variance": 0.25}})
     (run / "manifest.json").write_text(json.dumps({"stages": stages}))
@@ -81,3 +81,8 @@ def test_compare_cli_writes_results_and_refuses_a_non_run(tmp_path):
     assert (run / "results.md").is_file() and json.loads((run / "results.json").read_text())["rows"]
     bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nowhere")])
     assert bad.exit_code == 2 and "not a run directory (no manifest.json)" in bad.output
+    import shutil
+
+    shutil.rmtree(run / "iter_1/eval_seen/trajectories")  # a done stage whose episodes are gone: said, not 0 rows
+    gone = CliRunner().invoke(app, ["compare", str(run)])
+    assert gone.exit_code == 2 and "stage 'iter_1/eval_seen' is recorded as done but its trajectories" in gone.output

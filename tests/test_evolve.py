@@ -164,6 +164,12 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     assert rerank["inputs"] == {"policy": "bc/final", "critic": "iter_1/critic"}
     protocol = json.loads((root / "iter_1/rerank/eval_seen/metrics.json").read_text())["protocol"]
     assert protocol["rerank"]["candidates"] == 4 and protocol["decoding"].startswith("T=1.0")
+    # the comparison reads every row's episodes from the real run directory
+    from qevolve.evaluation.compare import compare_runs
+
+    rows = {row["method"]: row for row in compare_runs([root], resamples=200)["rows"]}
+    assert len(rows) == len(table) and all(row["episodes"] == 1 for row in rows.values())
+    assert all("success_diff_ci" in row for method, row in rows.items() if method != "SFT (BC)")
     labelled = read_episodes(root / "iter_1/q_minus_v/label/labelled.parquet")
     main = read_episodes(root / "iter_1/label/labelled.parquet")
     assert [t.advantage for ep in labelled for t in ep.turns] != [t.advantage for ep in main for t in ep.turns]

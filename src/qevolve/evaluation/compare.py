@@ -75,8 +75,12 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
         prefix, _, leaf = stage["name"].rpartition("/")
         if not leaf.startswith("eval_"):
             continue
-        folder = run_dir / stage["name"] / stage.get("outputs", {}).get("trajectories", "trajectories")
-        episodes = read_episodes(folder) if folder.exists() and shard_paths(folder) else []
+        # outputs are recorded relative to the run directory (qevolve.evolve.run_dir)
+        folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
+        if not (folder.is_dir() and shard_paths(folder)):
+            raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
+                             f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
+        episodes = read_episodes(folder)
         outcomes = {ep.episode_id: (float(ep.won), float(ep.score)) for ep in episodes}
         evaluations.append(Evaluation(run_dir.name, prefix, leaf[len("eval_"):], outcomes, stage.get("metrics", {})))
     return evaluations, manifest

@@ -44,7 +44,7 @@ def critic_q_scores(critic, prompt_ids: list[int], candidates: list[list[int]],
 
     cache = DynamicCache()
     with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
-        backbone(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True)
+        backbone(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True)
         cache.batch_repeat_interleave(n)
         width = max(len(c) for c in candidates)
         ids = torch.zeros((n, width), dtype=torch.long)
@@ -55,7 +55,7 @@ def critic_q_scores(critic, prompt_ids: list[int], candidates: list[list[int]],
             mask[row, len(prompt_ids): len(prompt_ids) + len(candidate)] = 1  # right padding: never attended to
         positions = torch.arange(len(prompt_ids), len(prompt_ids) + width).expand(n, width)
         hidden = backbone(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                          cache=cache, use_cache=True).last_hidden_state
+                          past_key_values=cache, use_cache=True).last_hidden_state
     last = torch.tensor([len(c) - 1 for c in candidates], device=device)
     features = hidden[torch.arange(n, device=device), last].float()
     if q_source == "target":
