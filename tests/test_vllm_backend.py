@@ -31,10 +31,21 @@ def test_backend_selection_without_vllm(monkeypatch):
     assert message == MISSING_VLLM
 
 
-def test_auto_prefers_vllm_where_installed(monkeypatch):
+def test_auto_prefers_vllm_where_installed_on_bf16_hardware(monkeypatch):
+    import torch
+
+    import qevolve.policy.model as policy_model
+
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(policy_model, "cpu_has_fast_bf16", lambda: True)
     assert resolve_backend("auto") == "vllm"
     assert resolve_backend("hf") == "hf"
+    # a CPU without native bf16: vLLM measured slower than HF fp32 there (docs/vllm.md)
+    monkeypatch.setattr(policy_model, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_backend("auto") == "hf" and resolve_backend("vllm") == "vllm"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto") == "vllm"
 
 
 def test_backend_field_is_validated():

