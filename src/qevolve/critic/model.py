@@ -29,6 +29,7 @@ from torch import nn
 from qevolve.critic.config import DEFAULT_MODEL_NAME, CriticConfig
 from qevolve.critic.data import CriticSample, sample_tensors, token_budget_batches
 from qevolve.paths import data_dir
+from qevolve.policy.model import cpu_has_fast_bf16
 
 __all__ = ["CriticHeads", "Critic", "default_model_path", "resolve_device", "resolve_dtype", "load_backbone",
            "model_identity", "build_critic", "encode_batch", "extract_features", "FeatureCache"]
@@ -44,21 +45,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _cpu_has_native_bf16() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")  # Linux only; elsewhere fall back to float32
-    if not cpuinfo.is_file():
-        return False
-    flags = cpuinfo.read_text(errors="ignore")
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The backbone's compute dtype; ``auto`` picks bfloat16 only where it is fast."""
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def _base_model(model: nn.Module) -> nn.Module:

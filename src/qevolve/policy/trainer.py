@@ -216,6 +216,8 @@ class Trainer:
                 raise ValueError(f"output_dir {self.output_dir}: its checkpoint was made with a different "
                                  f"{diff!r}; use the same config to resume or another output_dir")
         self.start_step = self.resume_state["step"] if self.resume_state else 0
+        self.steps_done = self.start_step  # advanced by finish_step
+        self.interrupted = False  # set by pending_steps on a stop request
         self._pending_loss_error: NonFiniteError | None = None  # see check_loss
         model_config = getattr(config, "model", None)
         self.dist: DistContext = init_distributed(config.distributed, getattr(model_config, "device", "auto"))
