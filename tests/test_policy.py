@@ -185,6 +185,48 @@ def test_packed_attention_attends_per_sequence_without_a_dense_mask(tiny_model_d
         assert torch.allclose(packed, target_logprobs(sdpa.model, batch), atol=1e-5)
 
 
+def test_masked_grouped_query_attention_skips_the_key_value_copy(tiny_model_dir, monkeypatch):
+    """Padded batches and cached decoding take enable_gqa=True and match transformers' sdpa (values, grads, tokens)."""
+    from qevolve.policy import attention
+    from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
+
+    def load(impl):
+        return load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu",
+                                       attn_implementation=impl, lora={"enabled": False}), trainable=True)
+
+    ours, reference = load(attention.PACKED_SDPA), load("sdpa")
+    batch = collate(random_sequences(3, len(ours.tokenizer), seed=7), [0, 1, 2], "bucket")
+    assert batch.attention_mask is not None and not bool(batch.attention_mask.all())  # padded rows
+    calls = []
+    original = attention.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    got = target_logprobs(ours.model, batch)
+    got.sum().backward()
+    assert calls and all(kv < q and gqa for q, kv, gqa in calls)  # key/value heads not repeated
+    monkeypatch.undo()
+    want = target_logprobs(reference.model, batch)
+    want.sum().backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    for (name, a), (_, b) in zip(ours.model.named_parameters(), reference.model.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+    prompts = [list(s.input_ids) for s in random_sequences(4, len(ours.tokenizer), seed=8)]
+    outputs = []
+    for policy in (ours, reference):
+        backend = HFGenerationBackend(policy.model.eval(), [1], 0)
+        first = backend.generate([GenerationRequest(i, p) for i, p in enumerate(prompts)],
+                                 SamplingParams(max_new_tokens=6))
+        again = backend.generate([GenerationRequest(i, p + r.token_ids + [5, 6]) for i, (p, r)
+                                  in enumerate(zip(prompts, first))], SamplingParams(max_new_tokens=6))
+        outputs.append([(r.token_ids, r.logprobs) for r in first + again])
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*outputs):
+        assert ids_a == ids_b and torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4)
+
+
 def unwrap(policy):
     from qevolve.policy.model import unwrap_model
 
