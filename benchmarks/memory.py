@@ -15,7 +15,11 @@ and minor page faults of the measured part (``getrusage``). Stages:
   (64 demonstrations, tokens_per_batch 4096), the stage before any acting: ``as-is`` (the quickstart's
   model settings) and ``checkpointing`` (``model.gradient_checkpointing: true``).
 
-    python benchmarks/memory.py [--stages decode,eval,bc] [--checkpoint default] [--threads 2]
+Every (stage, variant) runs once per ``--mmap-threshold`` value: ``sliding`` (glibc's default,
+whose threshold rises after large frees) or a byte count pinned with mallopt as
+``model.malloc_mmap_threshold_mb`` does (``qevolve.allocator``); default: sliding.
+
+    python benchmarks/memory.py [--stages decode,eval,bc] [--mmap-threshold sliding,1048576] [--threads 2]
 
 The numbers in docs/memory.md come from this script.
 """
@@ -124,6 +128,12 @@ def _autocast(policy):
 
 def run_child(args) -> None:
     stage, variant = args.child
+    if args.mmap_threshold != "sliding":
+        from qevolve.allocator import use_fixed_mmap_threshold
+
+        if not use_fixed_mmap_threshold(int(args.mmap_threshold)):
+            raise SystemExit(f"--mmap-threshold {args.mmap_threshold}: mallopt not available or "
+                             "MALLOC_MMAP_THRESHOLD_ set")
     import torch
 
     if args.threads:
@@ -147,7 +157,8 @@ def run_child(args) -> None:
                 "after_load_mb": loaded / 2**20, "end_rss_mb": current_rss() / 2**20,
                 "wall_seconds": time.perf_counter() - started, "user_seconds": after.ru_utime - before.ru_utime,
                 "system_seconds": after.ru_stime - before.ru_stime, "minor_faults": after.ru_minflt - before.ru_minflt,
-                "precision": policy.precision if policy is not None else "training default"})
+                "precision": policy.precision if policy is not None else "training default",
+                "mmap_threshold": args.mmap_threshold})
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -164,6 +175,8 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=10)
     parser.add_argument("--eval-turns", type=int, default=10)
     parser.add_argument("--bc-steps", type=int, default=4)
+    parser.add_argument("--mmap-threshold", default="sliding",
+                        help="comma-separated: 'sliding' (glibc default) and/or fixed thresholds in bytes")
     parser.add_argument("--child", nargs=2, metavar=("STAGE", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -178,24 +191,29 @@ def main() -> None:
           f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"glibc {platform.libc_ver()[1]}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     forwarded = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                 if name not in ("stages", "child") and value is not None]
+                 if name not in ("stages", "child", "mmap_threshold") and value is not None]
     rows = []
-    for stage in args.stages.split(","):
-        for variant in VARIANTS[stage]:
-            command = [sys.executable, os.path.abspath(__file__), *forwarded, "--child", stage, variant]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                print(f"{stage}/{variant} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-                continue
-            row = json.loads(lines[-1][len("RESULT "):])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n| stage | variant | peak RSS MB | after load MB | gen tok/s | wall s | user s | sys s | minor faults |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    runs = [(stage, variant, threshold) for stage in args.stages.split(",") for variant in VARIANTS[stage]
+            for threshold in args.mmap_threshold.split(",")]
+    for stage, variant, threshold in runs:
+        command = [sys.executable, os.path.abspath(__file__), *forwarded, f"--mmap-threshold={threshold}",
+                   "--child", stage, variant]
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not lines:
+            print(f"{stage}/{variant}/{threshold} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            continue
+        row = json.loads(lines[-1][len("RESULT "):])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n| stage | variant | mmap threshold | peak RSS MB | after load MB | gen tok/s | wall s | user s | sys s "
+          "| minor faults |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         rate = f"{row['tokens'] / row['gen_seconds']:.1f}" if row.get("gen_seconds") else "-"
-        print(f"| {row['stage']} | {row['variant']} | {row['peak_rss_mb']:.0f} | {row['after_load_mb']:.0f} | {rate} "
+        print(f"| {row['stage']} | {row['variant']} | {row['mmap_threshold']} | {row['peak_rss_mb']:.0f} "
+              f"| {row['after_load_mb']:.0f} | {rate} "
               f"| {row['wall_seconds']:.1f} | {row['user_seconds']:.1f} | {row['system_seconds']:.1f} "
               f"| {row['minor_faults']} |")
 

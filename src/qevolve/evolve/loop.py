@@ -48,7 +48,7 @@ from qevolve.policy.model import ModelConfig
 from qevolve.policy.prompts import PromptConfig
 from qevolve.process_rewards.label import LabelConfig
 from qevolve.rollouts.agent import AgentConfig
-from qevolve.rollouts.generation import release_free_memory
+from qevolve.allocator import release_free_memory
 
 EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate", "episodes",
              "failed_episodes", "env_steps", "tokens_generated")

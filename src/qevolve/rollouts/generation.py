@@ -39,13 +39,13 @@ backend only.
 from __future__ import annotations
 
 import abc
-import ctypes
-import ctypes.util
 import math
 from dataclasses import dataclass
 from typing import Hashable, Literal, Sequence
 
 import torch
+
+from qevolve.allocator import release_free_memory
 
 KVCache = Literal["growing", "dynamic"]
 
@@ -107,19 +107,6 @@ class _Row:
     key: Hashable
     tokens: list[int]  # the real tokens this row's cache holds, in order
     next_position: int  # position id of the row's next real token
-
-
-def release_free_memory() -> bool:
-    """Ask glibc to return freed heap memory to the system (``malloc_trim``); False where unavailable."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True
 
 
 def _growing_cache_class():
