@@ -50,3 +50,24 @@ def test_killed_stage_leaves_nothing_and_resume_matches_uninterrupted(tmp_path):
     clean.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, stage_writer("y", 2.0), log=lambda m: None)
     assert (tmp_path / "a/manifest.json").read_text() == (tmp_path / "b/manifest.json").read_text()
     assert (tmp_path / "a/metrics.jsonl").read_text() == (tmp_path / "b/metrics.jsonl").read_text()
+
+
+def test_resume_reads_a_field_added_since_the_run_started_as_its_default(tmp_path):
+    from qevolve.evolve.loop import EvolveConfig
+
+    def upgrade(recorded):
+        return EvolveConfig.model_validate(recorded).model_dump(mode="json")
+
+    config = EvolveConfig().model_dump(mode="json")
+    RunDirectory(tmp_path / "r", config, seed=0).close()
+    manifest = tmp_path / "r/manifest.json"
+    old = json.loads(manifest.read_text())
+    del old["config"]["bc"]["model"]["malloc_mmap_threshold_mb"]  # as written before the field existed
+    manifest.write_text(json.dumps(old))
+    with pytest.raises(RunError, match='malloc_mmap_threshold_mb="<missing>"'):
+        RunDirectory(tmp_path / "r", config, seed=0, resume=True)  # no upgrade: a difference
+    RunDirectory(tmp_path / "r", config, seed=0, resume=True, upgrade=upgrade).close()
+    changed = EvolveConfig.model_validate({"bc": {"model": {"malloc_mmap_threshold_mb": 4}}}).model_dump(mode="json")
+    with pytest.raises(RunError, match="bc.model.malloc_mmap_threshold_mb=null, this config has "
+                                       "bc.model.malloc_mmap_threshold_mb=4"):
+        RunDirectory(tmp_path / "r", changed, seed=0, resume=True, upgrade=upgrade)

@@ -275,7 +275,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         torch.set_num_threads(config.num_threads)
     validate_inputs(config)
     root = Path(config.runs_dir).expanduser() / config.name
-    run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume, redo=redo)
+    run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume, redo=redo,
+                       upgrade=lambda recorded: type(config).model_validate(recorded).model_dump(mode="json"))
     try:
         loggers = _Loggers(config, root)
     except BaseException:

@@ -98,7 +98,10 @@ class RunDirectory:
     """``runs/NAME`` with its manifest. ``resume=False`` refuses to touch an existing run."""
 
     def __init__(self, root: str | Path, config: dict[str, Any], seed: int, resume: bool = False,
-                 redo: str | None = None):
+                 redo: str | None = None, upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+        """``upgrade`` maps the recorded config through today's schema before the resume comparison, so a
+        field added since the run started counts as its default (which kept the old behaviour)
+        instead of as a difference; a recorded config it cannot read is compared as it stands."""
         self.root = Path(root)
         manifest_path = self.root / MANIFEST
         self.root.mkdir(parents=True, exist_ok=True)
@@ -109,7 +112,13 @@ class RunDirectory:
                     raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue "
                                    "it, or choose another name")
                 self.manifest = self._read_manifest(manifest_path)
-                old = {k: v for k, v in self.manifest["config"].items() if k not in LOCATION_FIELDS}
+                recorded = self.manifest["config"]
+                if upgrade is not None:
+                    try:
+                        recorded = upgrade(recorded)
+                    except Exception:  # e.g. a field removed since: the comparison below names it
+                        recorded = self.manifest["config"]
+                old = {k: v for k, v in recorded.items() if k not in LOCATION_FIELDS}
                 new = {k: v for k, v in config.items() if k not in LOCATION_FIELDS}
                 field = first_difference(old, new)
                 if field is not None:
