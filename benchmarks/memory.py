@@ -17,9 +17,13 @@ and minor page faults of the measured part (``getrusage``). Stages:
 
 Every (stage, variant) runs once per ``--mmap-threshold`` value: ``sliding`` (glibc's default,
 whose threshold rises after large frees) or a byte count pinned with mallopt as
-``model.malloc_mmap_threshold_mb`` does (``qevolve.allocator``); default: sliding.
+``model.malloc_mmap_threshold_mb`` does (``qevolve.allocator``); default: sliding. And once per
+``--attention`` value (``model.attn_implementation``): ``packed_sdpa`` (the default, which on CPU
+hands masked grouped-query attention to PyTorch's kernel with ``enable_gqa``) and/or ``sdpa``
+(transformers' own, which copies every key/value head once per query head first).
 
     python benchmarks/memory.py [--stages decode,eval,bc] [--mmap-threshold sliding,1048576] [--threads 2]
+        [--attention packed_sdpa,sdpa]
 
 The numbers in docs/memory.md come from this script.
 """
@@ -111,7 +115,8 @@ def child_bc(args, variant: str) -> dict:
     from qevolve.policy.model import ModelConfig
 
     with tempfile.TemporaryDirectory(prefix="memory-bc-") as folder:
-        model = ModelConfig(name_or_path=args.checkpoint, gradient_checkpointing=variant == "checkpointing")
+        model = ModelConfig(name_or_path=args.checkpoint, gradient_checkpointing=variant == "checkpointing",
+                            attn_implementation=args.attention)
         config = BCConfig(model=model, data={"num_demonstrations": 64},
                           prompt={"turn_format": "action", "max_prompt_tokens": 2048, "reserve_action_tokens": 32},
                           tokens_per_batch=4096, grad_accum_steps=1, max_steps=args.bc_steps, output_dir=folder,
@@ -142,7 +147,8 @@ def run_child(args) -> None:
     if stage != "bc":
         from qevolve.policy.model import ModelConfig, load_policy
 
-        policy = load_policy(ModelConfig(name_or_path=args.checkpoint).for_acting(), trainable=False)
+        policy = load_policy(ModelConfig(name_or_path=args.checkpoint, attn_implementation=args.attention)
+                             .for_acting(), trainable=False)
     loaded = current_rss()
     sampler = PeakSampler().start()
     before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -158,7 +164,7 @@ def run_child(args) -> None:
                 "wall_seconds": time.perf_counter() - started, "user_seconds": after.ru_utime - before.ru_utime,
                 "system_seconds": after.ru_stime - before.ru_stime, "minor_faults": after.ru_minflt - before.ru_minflt,
                 "precision": policy.precision if policy is not None else "training default",
-                "mmap_threshold": args.mmap_threshold})
+                "mmap_threshold": args.mmap_threshold, "attention": args.attention})
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -177,6 +183,8 @@ def main() -> None:
     parser.add_argument("--bc-steps", type=int, default=4)
     parser.add_argument("--mmap-threshold", default="sliding",
                         help="comma-separated: 'sliding' (glibc default) and/or fixed thresholds in bytes")
+    parser.add_argument("--attention", default="packed_sdpa",
+                        help="comma-separated model.attn_implementation values: packed_sdpa and/or sdpa")
     parser.add_argument("--child", nargs=2, metavar=("STAGE", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -191,29 +199,29 @@ def main() -> None:
           f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"glibc {platform.libc_ver()[1]}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     forwarded = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                 if name not in ("stages", "child", "mmap_threshold") and value is not None]
+                 if name not in ("stages", "child", "mmap_threshold", "attention") and value is not None]
     rows = []
-    runs = [(stage, variant, threshold) for stage in args.stages.split(",") for variant in VARIANTS[stage]
-            for threshold in args.mmap_threshold.split(",")]
-    for stage, variant, threshold in runs:
+    runs = [(stage, variant, threshold, attention) for stage in args.stages.split(",") for variant in VARIANTS[stage]
+            for threshold in args.mmap_threshold.split(",") for attention in args.attention.split(",")]
+    for stage, variant, threshold, attention in runs:
         command = [sys.executable, os.path.abspath(__file__), *forwarded, f"--mmap-threshold={threshold}",
-                   "--child", stage, variant]
+                   f"--attention={attention}", "--child", stage, variant]
         env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not lines:
-            print(f"{stage}/{variant}/{threshold} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            print(f"{stage}/{variant}/{threshold}/{attention} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
             continue
         row = json.loads(lines[-1][len("RESULT "):])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n| stage | variant | mmap threshold | peak RSS MB | after load MB | gen tok/s | wall s | user s | sys s "
-          "| minor faults |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| stage | variant | mmap threshold | attention | peak RSS MB | after load MB | gen tok/s | wall s "
+          "| user s | sys s | minor faults |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         rate = f"{row['tokens'] / row['gen_seconds']:.1f}" if row.get("gen_seconds") else "-"
-        print(f"| {row['stage']} | {row['variant']} | {row['mmap_threshold']} | {row['peak_rss_mb']:.0f} "
-              f"| {row['after_load_mb']:.0f} | {rate} "
+        print(f"| {row['stage']} | {row['variant']} | {row['mmap_threshold']} | {row['attention']} "
+              f"| {row['peak_rss_mb']:.0f} | {row['after_load_mb']:.0f} | {rate} "
               f"| {row['wall_seconds']:.1f} | {row['user_seconds']:.1f} | {row['system_seconds']:.1f} "
               f"| {row['minor_faults']} |")
 
