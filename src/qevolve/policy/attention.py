@@ -12,9 +12,12 @@ everywhere else (padding masks, generation with a cache).
 On CPU, grouped-query attention with a mask (every decode step of generation with a cache, and
 padded training batches) also goes through PyTorch's kernel directly with ``enable_gqa=True``:
 transformers only does that on CUDA without a mask, and otherwise copies every key and value head
-``num_key_value_groups`` times first (SmolLM2: 3 query heads per key/value head). That copy was
-more than half of a decode step here (batch 20, 1,500 cached tokens: 58 ms per layer with the copy,
-3.9 ms without; ``benchmarks/memory.py --stages decode``).
+``num_key_value_groups`` times first (SmolLM2: 3 query heads per key/value head), which costs
+memory traffic on every decode step. End to end the gain is small: ``benchmarks/memory.py --stages
+decode --batch 20 --prompt 1500 --turns 2 --new-tokens 16 --threads 2 --attention packed_sdpa,sdpa``
+(2026-12-04, 2-core AMD EPYC with AVX-512 BF16, bf16 weights; prefill of the 30,000 prompt tokens
+dominates) took 65.3 s vs 69.1 s with the default cache, and 77.8 s vs 69.2 s (slower) with
+transformers' DynamicCache; docs/memory.md has the table.
 """
 
 from __future__ import annotations
