@@ -263,14 +263,16 @@ def training_rows(spec: Spec, device: torch.device, args, peak_flops: float, dea
 
 
 def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> list[dict]:
-    """HF vs vLLM generated tokens/s on random prompts (greedy, no stop token: every row runs to the end)."""
+    """HF vs vLLM generated tokens/s on random prompts (greedy; the stop id is the last vocabulary entry, which
+    the prompts never contain, so rows almost always run to --gen-new tokens; each row reports how many came)."""
     from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
     from qevolve.rollouts.vllm_backend import vllm_available
 
     g = torch.Generator().manual_seed(1)
     batches = [int(b) for b in args.gen_batches.split(",")]
-    prompts = [torch.randint(3, spec.vocab, (args.gen_prompt,), generator=g).tolist() for _ in range(max(batches))]
-    never = spec.vocab + 7  # a stop id outside the vocabulary: every turn runs to --gen-new tokens
+    prompts = [torch.randint(3, spec.vocab - 1, (args.gen_prompt,), generator=g).tolist() for _ in range(max(batches))]
+    # vLLM 0.32 refuses stop ids outside the vocabulary (VLLMValidationError), so the stop id is a real one
+    stop_id = spec.vocab - 1
     params = SamplingParams(max_new_tokens=args.gen_new)
     rows = []
 
@@ -289,7 +291,7 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
             seconds = time.perf_counter() - t0
             generated = sum(len(r.token_ids) for r in results)
             out = {"model": spec.name, "backend": backend_name, "batch": b, "prompt_tokens": args.gen_prompt,
-                   "new_tokens": args.gen_new, "seconds": round(seconds, 3),
+                   "new_tokens": args.gen_new, "generated_tokens": generated, "seconds": round(seconds, 3),
                    "generated_tokens_per_s": round(generated / seconds, 1)}
             if device.type == "cuda":
                 out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
@@ -300,7 +302,7 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        measure("hf", HFGenerationBackend(model, [never]))
+        measure("hf", HFGenerationBackend(model, [stop_id]))
     del model
     gc.collect()
     if device.type == "cuda":
@@ -325,7 +327,7 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
         engine = build_engine(folder, settings, load_format="dummy")
         print(f"  vllm engine start: {time.perf_counter() - t0:.1f} s "
               f"({'eager' if args.vllm_eager else 'compiled'})", flush=True)
-        measure("vllm", VLLMGenerationBackend(engine, [never]))
+        measure("vllm", VLLMGenerationBackend(engine, [stop_id]))
         with contextlib.suppress(Exception):
             engine.llm_engine.engine_core.shutdown()
         del engine
