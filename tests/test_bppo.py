@@ -98,7 +98,7 @@ def test_standardize_is_float64_and_only_centres_when_all_equal():
 
 
 def test_batch_mode_is_refused_with_the_field_named():
-    with pytest.raises(ConfigError, match="field 'standardize_advantages'.*removed.*buffer \\(default\\), step or none"):
+    with pytest.raises(ConfigError, match="field 'standardize_advantages'.*removed.*buffer \\(default\\), step, buffer_scale or none"):
         load_config(PolicyStageConfig, None, ["standardize_advantages=batch"])
     assert PolicyStageConfig().standardize_advantages == "buffer"
 
@@ -191,3 +191,36 @@ def test_step_mode_standardises_over_each_steps_turns(monkeypatch, alfworld_expe
     turns = _turn_values(sequence, episodes)
     want = _tokens(sequence, (turns - turns.mean()) / turns.std(unbiased=False))
     torch.testing.assert_close(adv, want.float().double())
+
+
+def _large_success(n):
+    return [0.8 + 0.1 * (t % 2) for t in range(n)]
+
+
+def _small_success(n):
+    return [0.02 + 0.01 * (t % 2) for t in range(n)]  # a won episode's late turns once V has risen
+
+
+def test_buffer_scale_keeps_every_labelled_sign_where_buffer_centring_flips_it(monkeypatch, alfworld_experts,
+                                                                              tiny_model_dir, tmp_path):
+    """Two won episodes, every advantage positive; the second's are small. Centring over the buffer
+    pushes the second episode's turns below zero (the WebShop collapse of docs/results.md);
+    buffer_scale divides by the same standard deviation and leaves every sign as labelled."""
+    per_turn = [_large_success, _small_success]
+    runs = {mode: _recorded_advantages(monkeypatch, alfworld_experts, tiny_model_dir, tmp_path, mode, per_turn)
+            for mode in ("buffer", "buffer_scale")}
+    sequences, _, episodes = runs["buffer_scale"]
+    turns = torch.tensor(_large_success(episodes[0].num_turns) + _small_success(episodes[1].num_turns),
+                         dtype=torch.float64)
+    scale = turns.std(unbiased=False)
+    for mode, (_, seen, _) in runs.items():
+        for index, adv in seen:
+            sequence = sequences[index]
+            labelled = torch.tensor([per_turn[sequence.episode](episodes[sequence.episode].num_turns)[t]
+                                     for t in sequence.turns], dtype=torch.float64)
+            shift = turns.mean() if mode == "buffer" else 0.0
+            torch.testing.assert_close(adv, _tokens(sequence, (labelled - shift) / scale).float().double())
+            if mode == "buffer_scale":
+                assert (adv > 0).all()
+            elif sequence.episode == 1:
+                assert (adv < 0).all()  # the flip buffer_scale avoids

@@ -62,10 +62,11 @@ class PolicyStageConfig(TrainingConfig):
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (as in BC/rollouts)")
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default), awr, or the "
                                        "dpo baseline")
-    standardize_advantages: Literal["buffer", "step", "none"] = Field(
+    standardize_advantages: Literal["buffer", "step", "buffer_scale", "none"] = Field(
         "buffer", description="standardise the turns' advantages (each turn counted once, float64): buffer = "
-        "once over every turn of the buffer (default), step = over the turns of each optimiser step, none = as "
-        "labelled")
+        "once over every turn of the buffer (default), step = over the turns of each optimiser step, "
+        "buffer_scale = divided by the buffer's standard deviation but not centred (every turn keeps the sign "
+        "its label gave it), none = as labelled")
     standardize_min_std: float = Field(1e-6, ge=0.0, description="below this standard deviation the advantages "
                                        "are only centred, not scaled")
     only_sources: list[str] | None = Field(None, description="train only on turns of these sources "
@@ -81,7 +82,7 @@ class PolicyStageConfig(TrainingConfig):
     def _renamed_batch_mode(cls, value: Any) -> Any:
         if value == "batch":
             raise ValueError("'batch' (per micro-batch, per token) was removed: it flipped the sign of lone "
-                             "failures; expected buffer (default), step or none")
+                             "failures; expected buffer (default), step, buffer_scale or none")
         return value
 
 
@@ -185,8 +186,11 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     sequences = prepare_sequences(episodes, builder, max_length, config.buffer_path)
     # one advantage per turn of each sequence, float64
     seq_adv = [torch.tensor([advantages[(s.episode, t)] for t in s.turns], dtype=torch.float64) for s in sequences]
-    if config.standardize_advantages == "buffer":  # once, over every turn trained on (each turn counted once)
+    if config.standardize_advantages in ("buffer", "buffer_scale"):  # once, over every turn trained on
         shift, scale = _shift_and_scale(torch.cat(seq_adv), config.standardize_min_std)
+        # Centring moves every turn by the buffer mean: when most advantages are small and positive (a
+        # final Buy Now after V has risen), it turns them negative. buffer_scale keeps the labelled signs.
+        shift = shift if config.standardize_advantages == "buffer" else 0.0
         seq_adv = [(a - shift) / scale for a in seq_adv]
     # per-token advantages in each sequence's target order (a turn's A on all its tokens)
     token_adv = [torch.repeat_interleave(a, torch.tensor([end - start for start, end in s.spans]))
