@@ -115,6 +115,30 @@ def data_show(path: Path = typer.Argument(..., help="a trajectory file or sharde
     print_table(summary["groups"])
 
 
+@data_app.command("advantages")
+def data_advantages(
+        path: Path = typer.Argument(..., help="a labelled trajectory file or sharded folder (`qevolve label`)"),
+        standardize: str = typer.Option("buffer", help="as the policy stage's standardize_advantages: buffer "
+                                        "(its default), buffer_scale or none"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
+    """Advantages by action kind and outcome, as labelled and as the policy stage sees them."""
+    from qevolve.buffer.store import read_episodes
+    from qevolve.process_rewards.diagnostics import advantage_by_action_kind
+
+    try:
+        table = advantage_by_action_kind(read_episodes(path), standardize=standardize)  # type: ignore[arg-type]
+    except (OSError, ValueError) as error:
+        message = str(error)  # the store's own errors already name the file
+        raise typer.BadParameter(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    if as_json:
+        typer.echo(json.dumps(table, indent=1))
+        return
+    typer.echo(f"{path}: {table['episodes']} episodes, {table['turns']} turns; standardize={standardize} "
+               f"(shift {table['shift']:.4f}, scale {table['scale']:.4f}); pushed_down = share of turns whose "
+               "standardised advantage is negative")
+    print_table(table["rows"])
+
+
 @data_app.command("expert")
 def data_expert(
     env: str = typer.Argument(..., help="environment name (alfworld, sciworld, webshop)"),

@@ -1,0 +1,90 @@
+"""`qevolve data advantages`: advantages by action kind and outcome, labelled and as the policy stage sees them."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from qevolve.buffer.store import Episode, Turn, write_episodes
+from qevolve.cli import app
+from qevolve.process_rewards.diagnostics import action_kind, advantage_by_action_kind
+
+
+@pytest.mark.parametrize("env, action, kind", [
+    ("webshop", "search[red shoes size 9]", "search"),
+    ("webshop", "click[Buy Now]", "click[buy now]"),
+    ("webshop", "click[< Prev]", "click[< prev]"),
+    ("webshop", "click[B07ZJ6Z3Q1]", "click[product]"),
+    ("webshop", "click[size 9]", "click[option]"),
+    ("webshop", "buy it", "(unparsed)"),
+    ("webshop", None, "(none)"),
+    ("alfworld", "go to desk 1", "go to"),
+    ("alfworld", "take apple 1 from desk 1", "take"),
+    ("sciworld", "look around", "look around"),
+    ("sciworld", "pick up thermometer", "pick up"),
+])
+def test_action_kind(env, action, kind):
+    assert action_kind(env, action) == kind
+
+
+def _episode(name, won, actions_and_advantages, failed=False):
+    ep = Episode(f"webshop/train/{name}#0", name, "webshop", "train", "self", won=won, score=float(won),
+                 failed=failed)
+    for action, advantage in actions_and_advantages:
+        ep.turns.append(Turn(observation="o", agent_text=f"Action: {action}", action=action, advantage=advantage,
+                             value=0.5, q_value=0.6))
+    return ep
+
+
+def _buffer():
+    # A won episode whose purchase carries a small positive advantage (V has already risen) and a lost one.
+    return [_episode("g0", True, [("search[x]", 0.30), ("click[B000000001]", 0.20), ("click[Buy Now]", 0.02)]),
+            _episode("g1", False, [("search[x]", 0.05), ("click[Buy Now]", -0.40)]),
+            _episode("g2", False, [("click[Buy Now]", 9.0)], failed=True)]  # left out, as the policy stage does
+
+
+def _row(table, kind, outcome):
+    return next(r for r in table["rows"] if r["action_kind"] == kind and r["outcome"] == outcome)
+
+
+def test_buffer_centring_pushes_a_won_purchase_down_and_buffer_scale_does_not():
+    labelled = np.array([0.30, 0.20, 0.02, 0.05, -0.40])  # the failed episode's turn is not trained on
+    mean, std = labelled.mean(), labelled.std()
+    centred = advantage_by_action_kind(_buffer(), "buffer")
+    assert centred["turns"] == 5 and centred["episodes"] == 2
+    won_buy = _row(centred, "click[buy now]", "won")
+    assert won_buy["turns"] == 1 and won_buy["advantage"] == pytest.approx(0.02)
+    assert won_buy["standardized"] == pytest.approx((0.02 - mean) / std) and won_buy["standardized"] < 0
+    assert won_buy["pushed_down"] == 1.0
+    assert _row(centred, "search", "lost")["pushed_down"] == 0.0  # 0.05 is above the buffer mean 0.034
+    scaled = advantage_by_action_kind(_buffer(), "buffer_scale")
+    assert _row(scaled, "click[buy now]", "won")["standardized"] == pytest.approx(0.02 / std)
+    assert _row(scaled, "click[buy now]", "won")["pushed_down"] == 0.0
+    assert _row(scaled, "click[buy now]", "lost")["pushed_down"] == 1.0
+    raw = advantage_by_action_kind(_buffer(), "none")
+    assert _row(raw, "click[buy now]", "lost")["standardized"] == pytest.approx(-0.40)
+    assert _row(raw, "search", "won")["V"] == 0.5 and _row(raw, "search", "won")["Q"] == 0.6
+
+
+def test_unlabelled_buffer_and_unknown_mode_are_refused():
+    episodes = _buffer()
+    episodes[0].turns[1].advantage = None
+    with pytest.raises(ValueError, match="episode 'webshop/train/g0#0' turn 1 has no advantage.*qevolve label"):
+        advantage_by_action_kind(episodes)
+    with pytest.raises(ValueError, match="standardize: expected one of buffer, buffer_scale, none, got 'step'"):
+        advantage_by_action_kind(_buffer(), "step")
+
+
+def test_cli_prints_the_table_and_json(tmp_path):
+    path = tmp_path / "labelled.parquet"
+    write_episodes(path, _buffer())
+    result = CliRunner().invoke(app, ["data", "advantages", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "2 episodes, 5 turns; standardize=buffer" in result.output and "click[buy now]" in result.output
+    result = CliRunner().invoke(app, ["data", "advantages", str(path), "--standardize", "buffer_scale", "--json"])
+    assert result.exit_code == 0, result.output
+    table = json.loads(result.output)
+    assert table["shift"] == 0.0 and _row(table, "click[buy now]", "won")["pushed_down"] == 0.0
+    result = CliRunner().invoke(app, ["data", "advantages", str(tmp_path / "missing.parquet")])
+    assert result.exit_code != 0 and "missing.parquet" in result.output
