@@ -134,8 +134,8 @@ def data_advantages(
         typer.echo(json.dumps(table, indent=1))
         return
     typer.echo(f"{path}: {table['episodes']} episodes, {table['turns']} turns; standardize={standardize} "
-               f"(shift {table['shift']:.4f}, scale {table['scale']:.4f}); pushed_down = share of turns whose "
-               "standardised advantage is negative")
+               f"(shift {table['shift']:.4f}, scale {table['scale']:.4f}); outcome = the episode's success; "
+               "pushed_down = share of turns whose standardised advantage is negative")
     print_table(table["rows"])
 
 

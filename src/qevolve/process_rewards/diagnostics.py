@@ -3,7 +3,9 @@
 A policy that collapses after BPPO (docs/results.md, WebShop 2026-12-04: it stopped buying) is
 explained by which actions carry negative advantages *as the policy stage sees them*, i.e. after
 its standardisation. This module groups every turn by the kind of its action (the environment's
-verb: ``search``, ``click[Buy Now]``, ``go to``, ...) and by whether its episode was won, and
+verb: ``search``, ``click[Buy Now]``, ``go to``, ...) and by whether its episode was won (the
+environment's success, ``Episode.won``: on WebShop a reward of 1, not the critic's d = final score
+> 0 that `qevolve label` summarises as won/lost), and
 reports the labelled and the standardised mean advantage side by side, with V and Q.
 
     qevolve data advantages runs/NAME/iter_1/label/labelled.parquet --standardize buffer
