@@ -219,3 +219,21 @@ def test_cli_eval_with_vllm_missing_is_a_one_line_error(alfworld_installed, tiny
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert proc.stderr.strip() == f"error: {MISSING_VLLM}"
+
+
+@needs_vllm
+def test_sampled_requests_with_split_prefills_generate_on_cpu(tiny_pair):
+    """Seeded sampled requests whose prefills are split over engine steps crashed vLLM 0.32's CPU runner
+    ("CPU Generator does not use offset"); on a CPU the backend leaves the seeding to the engine."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU engine behaviour (a GPU engine seeds each request)")
+    folders, _ = tiny_pair
+    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=256, cpu_kv_cache_gb=1,
+                            block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
+    backend = vllm_backend.backend_for_checkpoint(folders[1], settings, [2])
+    assert backend.seed_requests is False
+    prompts, _ = _episodes()  # 4 prompts of 40-70 tokens, 8 requests: more than one step's 64 tokens
+    requests = [GenerationRequest((k, c), prompts[k]) for k in prompts for c in range(2)]
+    results = backend.generate(requests, SamplingParams(8, temperature=1.0, seed=0))
+    assert len(results) == 8 and all(1 <= len(r.token_ids) <= 8 for r in results)
+    assert all(len(r.logprobs) == len(r.token_ids) for r in results)
