@@ -86,5 +86,19 @@ def test_cli_prints_the_table_and_json(tmp_path):
     assert result.exit_code == 0, result.output
     table = json.loads(result.output)
     assert table["shift"] == 0.0 and _row(table, "click[buy now]", "won")["pushed_down"] == 0.0
-    result = CliRunner().invoke(app, ["data", "advantages", str(tmp_path / "missing.parquet")])
+    result = CliRunner().invoke(app, ["data", "advantages", str(tmp_path / "missing.parquet")], env={"COLUMNS": "500"})
     assert result.exit_code != 0 and "missing.parquet" in result.output
+
+
+def test_action_kind_counts_and_cli(tmp_path):
+    from qevolve.process_rewards.diagnostics import action_kind_counts
+
+    table = action_kind_counts(_buffer())
+    assert table["episodes"] == 3 and table["won"] == 1 and table["actions"] == 6
+    buy = next(r for r in table["rows"] if r["action_kind"] == "click[buy now]")
+    assert buy == {"action_kind": "click[buy now]", "actions": 3, "share": 0.5, "episodes_with": 3}
+    path = tmp_path / "eval.parquet"
+    write_episodes(path, _buffer())
+    result = CliRunner().invoke(app, ["data", "actions", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "3 episodes (1 won), 6 actions" in result.output and "click[product]" in result.output

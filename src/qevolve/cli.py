@@ -115,6 +115,30 @@ def data_show(path: Path = typer.Argument(..., help="a trajectory file or sharde
     print_table(summary["groups"])
 
 
+@data_app.command("actions")
+def data_actions(
+        paths: list[Path] = typer.Argument(..., help="trajectory files or sharded folders (e.g. runs/NAME/*/eval_test/"
+                                           "trajectories)"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
+    """How each policy acts: its actions by kind (share, and episodes that used the kind at least once)."""
+    from qevolve.buffer.store import read_episodes
+    from qevolve.process_rewards.diagnostics import action_kind_counts
+
+    tables = {}
+    for path in paths:
+        try:
+            tables[str(path)] = action_kind_counts(read_episodes(path))
+        except (OSError, ValueError) as error:
+            message = str(error)
+            raise typer.BadParameter(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    if as_json:
+        typer.echo(json.dumps(tables, indent=1))
+        return
+    for path, table in tables.items():
+        typer.echo(f"{path}: {table['episodes']} episodes ({table['won']} won), {table['actions']} actions")
+        print_table(table["rows"])
+
+
 @data_app.command("advantages")
 def data_advantages(
         path: Path = typer.Argument(..., help="a labelled trajectory file or sharded folder (`qevolve label`)"),

@@ -21,7 +21,7 @@ import numpy as np
 
 from qevolve.buffer.store import Episode, usable_episodes
 
-__all__ = ["action_kind", "advantage_by_action_kind", "STANDARDIZE_MODES"]
+__all__ = ["action_kind", "action_kind_counts", "advantage_by_action_kind", "STANDARDIZE_MODES"]
 
 STANDARDIZE_MODES = ("buffer", "buffer_scale", "none")  # the policy stage's modes that do not depend on batching
 
@@ -104,3 +104,22 @@ def advantage_by_action_kind(episodes: list[Episode],
         })
     return {"standardize": standardize, "turns": len(turns), "episodes": len(episodes),
             "shift": shift, "scale": scale, "rows": rows}
+
+
+def action_kind_counts(episodes: list[Episode], top: int | None = None) -> dict[str, Any]:
+    """How a policy acts: the share of its actions of each kind, and how many episodes used each kind.
+
+    ``episodes_with`` is the number of episodes with at least one action of the kind (e.g. how many
+    WebShop episodes ever clicked Buy Now)."""
+    counts: dict[str, int] = defaultdict(int)
+    with_kind: dict[str, int] = defaultdict(int)
+    for ep in episodes:
+        kinds = [action_kind(ep.env, turn.action) for turn in ep.turns]
+        for kind in kinds:
+            counts[kind] += 1
+        for kind in set(kinds):
+            with_kind[kind] += 1
+    actions = sum(counts.values())
+    rows = [{"action_kind": kind, "actions": n, "share": n / actions, "episodes_with": with_kind[kind]}
+            for kind, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))][:top]
+    return {"episodes": len(episodes), "won": sum(ep.won for ep in episodes), "actions": actions, "rows": rows}
