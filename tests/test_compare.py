@@ -86,3 +86,27 @@ def test_compare_cli_writes_results_and_refuses_a_non_run(tmp_path):
     shutil.rmtree(run / "iter_1/eval_seen/trajectories")  # a done stage whose episodes are gone: said, not 0 rows
     gone = CliRunner().invoke(app, ["compare", str(run)])
     assert gone.exit_code == 2 and "stage 'iter_1/eval_seen' is recorded as done but its trajectories" in gone.output
+
+
+def test_compare_adds_a_stand_alone_eval_folder_paired_with_the_first_runs_sft(tmp_path):
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    tasks = [f"t{i}" for i in range(6)]
+    bc = {t: (i < 2, 1.0 if i < 2 else 0.0) for i, t in enumerate(tasks)}
+    run = _fake_run(tmp_path, "seed0", {"bc/eval_seen": bc})
+    posthoc = _fake_run(tmp_path, "posthoc", {"eval": {t: (i < 5, 1.0 if i < 5 else 0.0)
+                                                       for i, t in enumerate(tasks)}}) / "eval"
+    (posthoc / "metrics.json").write_text(json.dumps({"protocol": {"split": "seen"}, "invalid_action_rate": 0.1}))
+    result = compare_runs([run], resamples=500, seed=0, extras=[("post-hoc", posthoc)])
+    row = next(r for r in result["rows"] if r["method"] == "post-hoc")
+    assert row["split"] == "seen" and row["run"] == "seed0" and row["paired_episodes"] == 6
+    assert row["success_diff"] == pytest.approx(3 / 6) and row["invalid_action_rate"] == 0.1
+    out = CliRunner().invoke(app, ["compare", str(run), "--extra", f"post-hoc={posthoc}", "--resamples", "100"])
+    assert out.exit_code == 0 and "| seen | post-hoc | seed0 | 6 | 0.833 |" in out.output, out.output
+    bad = CliRunner().invoke(app, ["compare", str(run), "--extra", str(posthoc)])
+    assert bad.exit_code != 0 and "expected LABEL=FOLDER" in bad.output
+    (posthoc / "metrics.json").unlink()
+    with pytest.raises(ValueError, match="not a `qevolve eval` output folder"):
+        compare_runs([run], extras=[("post-hoc", posthoc)])

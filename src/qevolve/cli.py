@@ -257,7 +257,9 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
                                                   "(default: the run directory when one is given)"),
             baseline: str = typer.Option("bc", help="stage prefix every method is compared with (bc = SFT)"),
             resamples: int = typer.Option(10_000, min=1, help="paired-bootstrap resamples"),
-            seed: int = typer.Option(0, help="seed of the bootstrap")) -> None:
+            seed: int = typer.Option(0, help="seed of the bootstrap"),
+            extra: list[str] = typer.Option([], help="LABEL=FOLDER: also a stand-alone `qevolve eval` output "
+                                            "folder, compared with the first run's baseline (repeatable)")) -> None:
     """Method x split success and reward, each with a paired-bootstrap 95% CI of its difference to SFT."""
     from qevolve.evaluation.compare import compare_runs, render_markdown
     from qevolve.evolve.run_dir import write_json_atomic
@@ -266,8 +268,14 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
         if len(runs) != 1:
             fail("--output: required when comparing several run directories")
         output = runs[0]
+    extras = []
+    for item in extra:
+        label, sep, folder = item.partition("=")
+        if not sep or not label or not folder:
+            fail(f"--extra {item!r}: expected LABEL=FOLDER (a `qevolve eval` output folder)")
+        extras.append((label, Path(folder)))
     try:
-        result = compare_runs(runs, baseline, resamples, seed)
+        result = compare_runs(runs, baseline, resamples, seed, extras)
     except (ValueError, StoreError) as error:
         fail(str(error))
     text = render_markdown(result)

@@ -116,9 +116,32 @@ def _row(label: str, run: str, split: str, evaluation_pairs: list[tuple[Evaluati
     return row
 
 
+def load_eval_folder(folder: Path, run: str, label: str) -> Evaluation:
+    """A stand-alone ``qevolve eval`` output folder (metrics.json + trajectories) as an evaluation of ``run``."""
+    metrics_path = folder / "metrics.json"
+    if not metrics_path.is_file():
+        raise ValueError(f"{folder}: not a `qevolve eval` output folder (no metrics.json)")
+    try:
+        metrics = json.loads(metrics_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{metrics_path}: not valid JSON ({error})") from None
+    split = (metrics.get("protocol") or {}).get("split")
+    if not split:
+        raise ValueError(f"{metrics_path}: no protocol.split (expected the metrics of `qevolve eval`)")
+    trajectories = folder / "trajectories"
+    if not (trajectories.is_dir() and shard_paths(trajectories)):
+        raise ValueError(f"{folder}: its trajectories folder holds no shards")
+    outcomes = {ep.episode_id: (float(ep.won), float(ep.score)) for ep in read_episodes(trajectories)}
+    return Evaluation(run, f"extra:{label}", split, outcomes, metrics)
+
+
 def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10_000,
-                 seed: int = 0) -> dict[str, Any]:
-    """Rows method x split (x run, plus pooled rows over runs) and each run's diagnostics."""
+                 seed: int = 0, extras: list[tuple[str, Path]] | None = None) -> dict[str, Any]:
+    """Rows method x split (x run, plus pooled rows over runs) and each run's diagnostics.
+
+    ``extras`` are (label, folder) pairs of stand-alone ``qevolve eval`` outputs (e.g. a post-hoc
+    policy trained from a run's buffer); each is compared with the first run's baseline, paired over
+    the episodes both evaluated."""
     from qevolve.evolve.loop import method_label
 
     runs = []
@@ -127,6 +150,8 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
         if not evaluations:
             raise ValueError(f"{run_dir}: no evaluation stages (<prefix>/eval_<split>) in its manifest")
         runs.append((run_dir, evaluations, manifest))
+    for label, folder in extras or []:
+        runs[0][1].append(load_eval_folder(folder, runs[0][0].name, label))
     rows: list[dict[str, Any]] = []
     order: list[tuple[str, str]] = []  # (prefix, split) in first-seen order
     for _, evaluations, _ in runs:
@@ -135,7 +160,8 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
                 order.append((e.prefix, e.split))
     order.sort(key=lambda key: (key[1], key[0] != baseline))  # split by split, the baseline first
     for prefix, split in order:
-        label = "SFT (BC)" if prefix == "bc" else method_label(prefix)
+        label = ("SFT (BC)" if prefix == "bc" else prefix[len("extra:"):] if prefix.startswith("extra:")
+                 else method_label(prefix))
         per_run = []
         for run_dir, evaluations, _ in runs:
             found = {(e.prefix, e.split): e for e in evaluations}
