@@ -66,10 +66,7 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"{run_dir}: not a run directory (no manifest.json)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{manifest_path}: not valid JSON ({error})") from None
+    manifest = _read_json(manifest_path)
     evaluations = []
     for stage in manifest.get("stages", []):
         prefix, _, leaf = stage["name"].rpartition("/")
@@ -80,10 +77,21 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
         if not (folder.is_dir() and shard_paths(folder)):
             raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
                              f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
-        episodes = read_episodes(folder)
-        outcomes = {ep.episode_id: (float(ep.won), float(ep.score)) for ep in episodes}
-        evaluations.append(Evaluation(run_dir.name, prefix, leaf[len("eval_"):], outcomes, stage.get("metrics", {})))
+        evaluations.append(Evaluation(run_dir.name, prefix, leaf[len("eval_"):], _outcomes(folder),
+                                      stage.get("metrics", {})))
     return evaluations, manifest
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+
+
+def _outcomes(trajectories: Path) -> dict[str, tuple[float, float]]:
+    """Episode id -> (won, final score) of an evaluation's trajectory shards."""
+    return {ep.episode_id: (float(ep.won), float(ep.score)) for ep in read_episodes(trajectories)}
 
 
 def _row(label: str, run: str, split: str, evaluation_pairs: list[tuple[Evaluation, Evaluation | None]],
@@ -121,18 +129,14 @@ def load_eval_folder(folder: Path, run: str, label: str) -> Evaluation:
     metrics_path = folder / "metrics.json"
     if not metrics_path.is_file():
         raise ValueError(f"{folder}: not a `qevolve eval` output folder (no metrics.json)")
-    try:
-        metrics = json.loads(metrics_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{metrics_path}: not valid JSON ({error})") from None
+    metrics = _read_json(metrics_path)
     split = (metrics.get("protocol") or {}).get("split")
     if not split:
         raise ValueError(f"{metrics_path}: no protocol.split (expected the metrics of `qevolve eval`)")
     trajectories = folder / "trajectories"
     if not (trajectories.is_dir() and shard_paths(trajectories)):
         raise ValueError(f"{folder}: its trajectories folder holds no shards")
-    outcomes = {ep.episode_id: (float(ep.won), float(ep.score)) for ep in read_episodes(trajectories)}
-    return Evaluation(run, f"extra:{label}", split, outcomes, metrics)
+    return Evaluation(run, f"extra:{label}", split, _outcomes(trajectories), metrics)
 
 
 def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10_000,
