@@ -44,6 +44,7 @@ from qevolve.policy.objectives import PAIR_OBJECTIVES, ObjectiveConfig, compute_
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
+from qevolve.process_rewards.advantages import shift_and_scale
 
 __all__ = ["PolicyStageConfig", "PolicyResult", "run_policy_update", "sequence_logprobs"]
 
@@ -141,17 +142,9 @@ def _turn_advantages(episodes: list[Episode], source: str) -> dict[tuple[int, in
 
 
 def _shift_and_scale(turn_advantages: torch.Tensor, min_std: float = 1e-6) -> tuple[float, float]:
-    """Mean and divisor that standardise ``turn_advantages`` (one value per turn), in float64.
-
-    The divisor is the population standard deviation, or 1 when that is below ``min_std`` (then the
-    values are only centred: all-equal advantages carry no preference and must not be scaled up).
-    """
-    values = turn_advantages.to(torch.float64)
-    if values.numel() == 0:
-        return 0.0, 1.0
-    mean = values.mean()
-    std = float((values - mean).pow(2).mean().sqrt())
-    return float(mean), (std if std >= min_std else 1.0)
+    """Mean and divisor that standardise ``turn_advantages`` (one value per turn), in float64 (the rule of
+    :func:`qevolve.process_rewards.advantages.shift_and_scale`)."""
+    return shift_and_scale(turn_advantages.detach().to(torch.float64).cpu().numpy(), min_std)
 
 
 def _standardize(turn_advantages: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:

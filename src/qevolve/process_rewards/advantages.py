@@ -124,6 +124,15 @@ def standardize(per_trajectory: list[np.ndarray], min_std: float = 1e-6) -> list
     flat = np.concatenate(per_trajectory).astype(np.float64) if per_trajectory else np.zeros(0)
     if flat.size == 0:
         return per_trajectory
-    mean, std = float(flat.mean()), float(flat.std())
-    scale = std if std >= min_std else 1.0
+    mean, scale = shift_and_scale(flat, min_std)
     return [(np.asarray(a, dtype=np.float64) - mean) / scale for a in per_trajectory]
+
+
+def shift_and_scale(values: np.ndarray, min_std: float = 1e-6) -> tuple[float, float]:
+    """Mean and divisor that standardise ``values`` (one per turn), in float64: the divisor is the
+    population standard deviation, or 1 below ``min_std`` (all-equal values carry no preference)."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return 0.0, 1.0
+    mean, std = float(values.mean()), float(values.std())
+    return mean, (std if std >= min_std else 1.0)

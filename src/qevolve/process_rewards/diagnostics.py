@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from qevolve.buffer.store import Episode, usable_episodes
+from qevolve.process_rewards.advantages import shift_and_scale
 
 __all__ = ["action_kind", "action_kind_counts", "advantage_by_action_kind", "STANDARDIZE_MODES"]
 
@@ -58,15 +59,6 @@ def action_kind(env: str, action: str | None) -> str:
     return " ".join(words[:2]) if len(words) > 1 and words[1] in _PARTICLES else words[0]
 
 
-def _shift_and_scale(values: np.ndarray, mode: str, min_std: float) -> tuple[float, float]:
-    # The policy stage's rule (policy/bppo.py): population std over every turn; below min_std only centre.
-    if mode == "none" or values.size == 0:
-        return 0.0, 1.0
-    mean, std = float(values.mean()), float(values.std())
-    scale = std if std >= min_std else 1.0
-    return (mean if mode == "buffer" else 0.0), scale
-
-
 def advantage_by_action_kind(episodes: list[Episode],
                              standardize: Literal["buffer", "buffer_scale", "none"] = "buffer",
                              min_std: float = 1e-6, include_failed: bool = False) -> dict[str, Any]:
@@ -84,7 +76,8 @@ def advantage_by_action_kind(episodes: list[Episode],
         raise ValueError(f"episode {missing[0].episode_id!r} turn {missing[1]} has no advantage; "
                          "label the buffer first (`qevolve label`)")
     labelled = np.array([float(turn.advantage) for _, turn in turns], dtype=np.float64)
-    shift, scale = _shift_and_scale(labelled, standardize, min_std)
+    shift, scale = shift_and_scale(labelled, min_std) if standardize != "none" else (0.0, 1.0)
+    shift = shift if standardize == "buffer" else 0.0  # buffer_scale: the same divisor, no centring
     groups: dict[tuple[str, str], list[int]] = defaultdict(list)
     for i, (ep, turn) in enumerate(turns):
         groups[(action_kind(ep.env, turn.action), "won" if ep.won else "lost")].append(i)
