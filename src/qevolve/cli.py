@@ -115,6 +115,12 @@ def data_show(path: Path = typer.Argument(..., help="a trajectory file or sharde
     print_table(summary["groups"])
 
 
+def _bad_file(path: Path, error: Exception) -> typer.BadParameter:
+    """The one-line error for an unreadable trajectory file, naming it once (the store's errors already do)."""
+    message = str(error)
+    return typer.BadParameter(message if message.startswith(str(path)) else f"{path}: {message}")
+
+
 @data_app.command("actions")
 def data_actions(
         paths: list[Path] = typer.Argument(..., help="trajectory files or sharded folders (e.g. runs/NAME/*/eval_test/"
@@ -129,8 +135,7 @@ def data_actions(
         try:
             tables[str(path)] = action_kind_counts(read_episodes(path))
         except (OSError, ValueError) as error:
-            message = str(error)
-            raise typer.BadParameter(message if message.startswith(str(path)) else f"{path}: {message}") from None
+            raise _bad_file(path, error) from None
     if as_json:
         typer.echo(json.dumps(tables, indent=1))
         return
@@ -152,8 +157,7 @@ def data_advantages(
     try:
         table = advantage_by_action_kind(read_episodes(path), standardize=standardize)  # type: ignore[arg-type]
     except (OSError, ValueError) as error:
-        message = str(error)  # the store's own errors already name the file
-        raise typer.BadParameter(message if message.startswith(str(path)) else f"{path}: {message}") from None
+        raise _bad_file(path, error) from None
     if as_json:
         typer.echo(json.dumps(table, indent=1))
         return
