@@ -22,6 +22,7 @@ barrier. All ranks must see the same file system (the run folder and the data).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from dataclasses import dataclass
@@ -212,8 +213,19 @@ def init_distributed(config: DistributedConfig, device_name: str = "auto", stage
 
         state = PartialState(cpu=device.type == "cpu", timeout=timedelta(seconds=config.timeout_s))
         _CONTEXT = DistContext("ddp", state.num_processes, state.process_index, state.local_process_index)
+        atexit.register(_leave_process_group)
     kind = "ddp" if kind == "auto" else kind
     return DistContext(kind, _CONTEXT.world_size, _CONTEXT.rank, _CONTEXT.local_rank)
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group while the interpreter is still whole.
+
+    A process that exits with its gloo group alive can abort in interpreter finalisation ("terminate
+    called without an active exception", SIGABRT): gloo's worker threads still hold tensors whose
+    release needs the GIL (pytorch/pytorch#190489). Destroying the group is local, not a collective."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @contextlib.contextmanager
