@@ -102,3 +102,55 @@ def test_action_kind_counts_and_cli(tmp_path):
     result = CliRunner().invoke(app, ["data", "actions", str(path)])
     assert result.exit_code == 0, result.output
     assert "3 episodes (1 won), 6 actions" in result.output and "click[product]" in result.output
+
+
+def _valued(name, won, rewards_and_values):
+    ep = Episode(f"webshop/train/{name}#0", name, "webshop", "train", "self", won=won, score=rewards_and_values[-1][0])
+    for reward, value in rewards_and_values:
+        ep.turns.append(Turn(observation="o", agent_text="Action: search[x]", action="search[x]", reward=reward,
+                             value=value, advantage=0.0))
+    return ep
+
+
+def test_critic_fit_against_a_plain_loop():
+    from qevolve.process_rewards.diagnostics import critic_fit
+
+    episodes = [_valued("g0", True, [(0.0, 0.7), (0.0, 0.8), (1.0, 0.9)]),
+                _valued("g1", False, [(0.0, 0.6), (0.0, 0.5)]),
+                _valued("g2", True, [(0.0, 0.4), (1.0, 0.95)])]
+    fit = critic_fit(episodes, gamma=0.9)
+    # the discounted return-to-go, by hand
+    g = np.array([0.81, 0.9, 1.0, 0.0, 0.0, 0.9, 1.0])
+    v = np.array([0.7, 0.8, 0.9, 0.6, 0.5, 0.4, 0.95])
+    assert fit["turns"] == 7 and fit["won"] == 2
+    assert fit["all_turns"]["explained_variance"] == pytest.approx(1 - np.var(g - v) / np.var(g))
+    assert fit["all_turns"]["correlation"] == pytest.approx(np.corrcoef(v, g)[0, 1])
+    assert fit["all_turns"]["bias"] == pytest.approx(np.mean(v - g))
+    first_v, first_g = np.array([0.7, 0.6, 0.4]), np.array([0.81, 0.0, 0.9])
+    assert fit["first_turn"]["correlation"] == pytest.approx(np.corrcoef(first_v, first_g)[0, 1])
+    # won first-turn values 0.7 and 0.4 against the lost 0.6: one of two pairs ranked right
+    assert fit["first_turn"]["auc_won_vs_lost"] == pytest.approx(0.5)
+    assert fit["by_turn"][1] == {"turn": 1, "won_turns": 2, "V_won": pytest.approx(0.875),
+                                 "G_won": pytest.approx(0.95), "lost_turns": 1, "V_lost": 0.5, "G_lost": 0.0}
+    assert fit["by_turn"][2]["lost_turns"] == 0 and fit["by_turn"][2]["V_lost"] is None
+
+
+def test_critic_fit_refuses_an_unlabelled_buffer_and_the_cli_reports(tmp_path):
+    from qevolve.process_rewards.diagnostics import critic_fit
+
+    episodes = [_valued("g0", True, [(0.0, 0.7), (1.0, None)]), _valued("g1", False, [(0.0, 0.6)])]
+    with pytest.raises(ValueError, match="episode 'webshop/train/g0#0' turn 1 has no value V; label the buffer"):
+        critic_fit(episodes)
+    with pytest.raises(ValueError, match="gamma: expected a value in \\[0, 1\\], got 1.5"):
+        critic_fit(episodes, gamma=1.5)
+    path = tmp_path / "labelled.parquet"
+    episodes[0].turns[1].value = 0.9
+    write_episodes(path, episodes)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["data", "critic-fit", str(path)])
+    assert shown.exit_code == 0, shown.output
+    assert "auc_won_vs_lost" in shown.output and "| first" in shown.output
+    as_json = json.loads(runner.invoke(app, ["data", "critic-fit", str(path), "--json"]).output)
+    assert as_json["first_turn"]["auc_won_vs_lost"] == 1.0
+    bad = runner.invoke(app, ["data", "critic-fit", str(tmp_path / "missing.parquet")])
+    assert bad.exit_code != 0 and "missing.parquet" in bad.output

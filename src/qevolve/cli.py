@@ -167,6 +167,29 @@ def data_advantages(
     print_table(table["rows"])
 
 
+@data_app.command("critic-fit")
+def data_critic_fit(
+        path: Path = typer.Argument(..., help="a labelled trajectory file or sharded folder (`qevolve label`)"),
+        gamma: float = typer.Option(0.99, help="discount of the env return-to-go the values are compared with"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
+    """How well the labelled V(s_t) predicts the discounted env return-to-go: overall, at the first turn, by turn."""
+    from qevolve.buffer.store import read_episodes
+    from qevolve.process_rewards.diagnostics import critic_fit
+
+    try:
+        fit = critic_fit(read_episodes(path), gamma=gamma)
+    except (OSError, ValueError) as error:
+        raise _bad_file(path, error) from None
+    if as_json:
+        typer.echo(json.dumps(fit, indent=1))
+        return
+    typer.echo(f"{path}: {fit['episodes']} episodes ({fit['won']} won), {fit['turns']} turns; "
+               f"V against G_t = discounted env return-to-go (gamma {gamma}); bias = mean(V - G)")
+    print_table([{"turns": "all", **fit["all_turns"]}, {"turns": "first", **fit["first_turn"]}],
+                columns=["turns", "explained_variance", "correlation", "bias", "auc_won_vs_lost"])
+    print_table(fit["by_turn"])
+
+
 @data_app.command("expert")
 def data_expert(
     env: str = typer.Argument(..., help="environment name (alfworld, sciworld, webshop)"),

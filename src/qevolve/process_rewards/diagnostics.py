@@ -22,7 +22,7 @@ import numpy as np
 from qevolve.buffer.store import Episode, usable_episodes
 from qevolve.process_rewards.advantages import shift_and_scale
 
-__all__ = ["action_kind", "action_kind_counts", "advantage_by_action_kind", "STANDARDIZE_MODES"]
+__all__ = ["action_kind", "action_kind_counts", "advantage_by_action_kind", "critic_fit", "STANDARDIZE_MODES"]
 
 STANDARDIZE_MODES = ("buffer", "buffer_scale", "none")  # the policy stage's modes that do not depend on batching
 
@@ -116,3 +116,70 @@ def action_kind_counts(episodes: list[Episode], top: int | None = None) -> dict[
     rows = [{"action_kind": kind, "actions": n, "share": n / actions, "episodes_with": with_kind[kind]}
             for kind, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))][:top]
     return {"episodes": len(episodes), "won": sum(ep.won for ep in episodes), "actions": actions, "rows": rows}
+
+
+def _fit(values: np.ndarray, returns: np.ndarray) -> dict[str, float | None]:
+    """Explained variance, Pearson correlation and mean error (V - G) of values against returns."""
+    if values.size < 2:
+        return {"explained_variance": None, "correlation": None, "bias": None}
+    spread = float(np.var(returns))
+    both = float(np.std(values)) * float(np.std(returns))
+    return {"explained_variance": 1.0 - float(np.var(returns - values)) / spread if spread > 0 else None,
+            "correlation": float(np.mean((values - values.mean()) * (returns - returns.mean()))) / both
+            if both > 0 else None,
+            "bias": float(np.mean(values - returns))}
+
+
+def _auc(positive: np.ndarray, negative: np.ndarray) -> float | None:
+    """P(a won episode's value > a lost one's), ties counted half (the Mann-Whitney AUC)."""
+    if not positive.size or not negative.size:
+        return None
+    greater = (positive[:, None] > negative[None, :]).mean()
+    ties = (positive[:, None] == negative[None, :]).mean()
+    return float(greater + 0.5 * ties)
+
+
+def critic_fit(episodes: list[Episode], gamma: float = 0.99, include_failed: bool = False) -> dict[str, Any]:
+    """How well a labelled buffer's V(s_t) predicts what followed: the discounted env return-to-go G_t.
+
+    G_t = sum_k gamma^k r_env_{t+k} over the rest of the episode (no bootstrap): the quantity GAE's
+    advantages are built from (only r_env enters them). Reported over all turns, at the first turn
+    (with the AUC of V(s_0) between won and lost episodes: 0.5 = the critic cannot tell them apart
+    at the start), and per turn index for won and lost episodes (does V rise along an episode?).
+    IQL's V is an upper expectile (m > 0.5), so a positive ``bias`` is expected; ``correlation``
+    is the measure of ranking that ignores it.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma: expected a value in [0, 1], got {gamma}")
+    episodes = usable_episodes(episodes, include_failed)
+    missing = next(((ep, t) for ep in episodes for t, turn in enumerate(ep.turns) if turn.value is None), None)
+    if missing is not None:
+        raise ValueError(f"episode {missing[0].episode_id!r} turn {missing[1]} has no value V; "
+                         "label the buffer first (`qevolve label`)")
+    values, returns, index, won = [], [], [], []
+    for ep in episodes:
+        rewards = [float(turn.reward) for turn in ep.turns]
+        to_go, g = [], 0.0
+        for r in reversed(rewards):
+            g = r + gamma * g
+            to_go.append(g)
+        for t, (turn, g) in enumerate(zip(ep.turns, reversed(to_go))):
+            values.append(float(turn.value))
+            returns.append(g)
+            index.append(t)
+            won.append(ep.won)
+    v, g, t_index, w = (np.array(values), np.array(returns), np.array(index), np.array(won, dtype=bool))
+    first = t_index == 0
+    by_turn = []
+    for t in range(int(t_index.max()) + 1 if t_index.size else 0):
+        row: dict[str, Any] = {"turn": t}
+        for outcome, mask in (("won", w), ("lost", ~w)):
+            here = (t_index == t) & mask
+            row[f"{outcome}_turns"] = int(here.sum())
+            row[f"V_{outcome}"] = float(v[here].mean()) if here.any() else None
+            row[f"G_{outcome}"] = float(g[here].mean()) if here.any() else None
+        by_turn.append(row)
+    return {"episodes": len(episodes), "won": int(sum(ep.won for ep in episodes)), "turns": int(v.size),
+            "gamma": gamma, "all_turns": _fit(v, g),
+            "first_turn": {**_fit(v[first], g[first]), "auc_won_vs_lost": _auc(v[first & w], v[first & ~w])},
+            "by_turn": by_turn}
