@@ -18,7 +18,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Optional  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
@@ -144,6 +144,21 @@ def data_actions(
         print_table(table["rows"])
 
 
+def _buffer_report(path: Path, compute: Callable[[list], dict], as_json: bool) -> dict | None:
+    """``compute`` over the episodes at ``path`` (a one-line error naming the file if it cannot); printed as
+    JSON and None returned when ``as_json``, else returned for the caller's tables."""
+    from qevolve.buffer.store import read_episodes
+
+    try:
+        report = compute(read_episodes(path))
+    except (OSError, ValueError) as error:
+        raise _bad_file(path, error) from None
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return None
+    return report
+
+
 @data_app.command("advantages")
 def data_advantages(
         path: Path = typer.Argument(..., help="a labelled trajectory file or sharded folder (`qevolve label`)"),
@@ -151,15 +166,11 @@ def data_advantages(
                                         "(its default), buffer_scale or none"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """Advantages by action kind and outcome, as labelled and as the policy stage sees them."""
-    from qevolve.buffer.store import read_episodes
     from qevolve.process_rewards.diagnostics import advantage_by_action_kind
 
-    try:
-        table = advantage_by_action_kind(read_episodes(path), standardize=standardize)  # type: ignore[arg-type]
-    except (OSError, ValueError) as error:
-        raise _bad_file(path, error) from None
-    if as_json:
-        typer.echo(json.dumps(table, indent=1))
+    table = _buffer_report(path, lambda episodes: advantage_by_action_kind(episodes, standardize=standardize),
+                           as_json)  # type: ignore[arg-type]
+    if table is None:
         return
     typer.echo(f"{path}: {table['episodes']} episodes, {table['turns']} turns; standardize={standardize} "
                f"(shift {table['shift']:.4f}, scale {table['scale']:.4f}); outcome = the episode's success; "
@@ -173,15 +184,10 @@ def data_critic_fit(
         gamma: float = typer.Option(0.99, help="discount of the env return-to-go the values are compared with"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
     """How well the labelled V(s_t) predicts the discounted env return-to-go: overall, at the first turn, by turn."""
-    from qevolve.buffer.store import read_episodes
     from qevolve.process_rewards.diagnostics import critic_fit
 
-    try:
-        fit = critic_fit(read_episodes(path), gamma=gamma)
-    except (OSError, ValueError) as error:
-        raise _bad_file(path, error) from None
-    if as_json:
-        typer.echo(json.dumps(fit, indent=1))
+    fit = _buffer_report(path, lambda episodes: critic_fit(episodes, gamma=gamma), as_json)
+    if fit is None:
         return
     typer.echo(f"{path}: {fit['episodes']} episodes ({fit['won']} won), {fit['turns']} turns; "
                f"V against G_t = discounted env return-to-go (gamma {gamma}); bias = mean(V - G)")
