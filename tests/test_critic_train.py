@@ -180,3 +180,22 @@ def test_untokenised_buffer_without_the_prompt_builder_is_a_clear_error(monkeypa
     monkeypatch.setitem(sys.modules, "qevolve.policy.prompts", None)  # makes the import fail
     with pytest.raises(ValueError, match="buf.parquet: 1 episodes have no token ids.*tokenise the buffer first"):
         ensure_tokenized(episodes, tmp_path, source="buf.parquet")
+
+
+def test_a_critic_whose_mean_value_still_moves_is_reported_unconverged(tiny_critic_init, tmp_path):
+    from qevolve.critic.train import UNCONVERGED_V_CHANGE, unconverged_warning
+
+    assert unconverged_warning([{"epoch": 1, "steps": 4, "v_mean": 0.2}]) is None  # one epoch: nothing to compare
+    moving = [{"epoch": 1, "steps": 4, "v_mean": 0.50}, {"epoch": 2, "steps": 8, "v_mean": 0.50 + 2 * UNCONVERGED_V_CHANGE}]
+    assert "moved by +0.0200 in the last epoch" in unconverged_warning(moving)
+    assert "not converged after 2 epochs (8 steps); raise epochs or iql.polyak" in unconverged_warning(moving)
+    moving[-1]["v_mean"] = 0.50 - UNCONVERGED_V_CHANGE / 2
+    assert unconverged_warning(moving) is None
+    # two epochs from random heads at a high learning rate: V is still moving, and the run says so
+    messages: list[str] = []
+    config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=2, lr=3e-2, checkpoint_every_steps=10_000)
+    summary = train_critic(synthetic_buffer(12, seed=5), config, tmp_path / "run", progress=False, log=messages.append)
+    change = summary["history"][-1]["v_mean"] - summary["history"][-2]["v_mean"]
+    assert summary["converged"] is (abs(change) <= UNCONVERGED_V_CHANGE)
+    assert any(m.startswith("WARNING: critic: the mean V moved") for m in messages) is not summary["converged"]
+    assert not summary["converged"], change  # this setting moves V by far more than the tolerance

@@ -113,9 +113,29 @@ def _epoch_metrics(epoch: int, acc: dict[str, Any], global_step: int) -> dict[st
         # V as the heads saw it during the epoch's own steps (no extra pass)
         "v_success": float(values[success].mean()) if success.any() else float("nan"),
         "v_failure": float(values[~success].mean()) if (~success).any() else float("nan"),
+        "v_mean": float(values.mean()) if values.size else float("nan"),
         "explained_variance": explained_variance(values, returns) if values.size else float("nan"),
         "seconds": acc["seconds"],
     }
+
+
+#: a mean V that still moves by more than this from one epoch to the next means the critic has not
+#: converged: IQL's values propagate back from the rewards one bootstrap per target-network lag, so a
+#: buffer with few steps per epoch needs more epochs (or a faster ``iql.polyak``). Measured on the
+#: WebShop protocol (docs/results.md): 20 epochs left V rising by 0.016 per epoch, EV -0.33.
+UNCONVERGED_V_CHANGE = 0.01
+
+
+def unconverged_warning(history: list[dict[str, Any]]) -> str | None:
+    """A warning when the last epoch still moved the mean V by more than :data:`UNCONVERGED_V_CHANGE`."""
+    if len(history) < 2 or "v_mean" not in history[-1] or "v_mean" not in history[-2]:
+        return None
+    change = history[-1]["v_mean"] - history[-2]["v_mean"]
+    if not abs(change) > UNCONVERGED_V_CHANGE:
+        return None
+    return (f"critic: the mean V moved by {change:+.4f} in the last epoch (more than {UNCONVERGED_V_CHANGE}): not "
+            f"converged after {history[-1]['epoch']} epochs ({history[-1]['steps']} steps); raise epochs or "
+            f"iql.polyak (see `qevolve data critic-fit` on the labelled buffer)")
 
 
 def _write_metrics(folder: Path, history: list[dict[str, Any]]) -> None:
@@ -331,7 +351,10 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             "backbone": critic.trainable_backbone_state(), "history": history,
         }, output / CRITIC_FILE)
     dist.barrier()  # the critic is on disk for every rank
-    return {"finished": True, "global_step": global_step, "history": history, "output": str(output),
+    warning = unconverged_warning(history)
+    if warning:
+        log(f"WARNING: {warning}")
+    return {"finished": True, "converged": warning is None, "global_step": global_step, "history": history, "output": str(output),
             "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
 
 
