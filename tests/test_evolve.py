@@ -50,6 +50,8 @@ def test_two_iterations_end_to_end_and_resume_after_a_kill_in_the_critic(experts
         f"iter_{k}/{stage}" for k in (1, 2) for stage in
         ("rollouts", "buffer", "critic", "label", "policy", "eval_seen", "eval_unseen")]
     assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "Q-Evolve iter 2"]
+    critic_metrics = next(s["metrics"] for s in manifest["stages"] if s["name"] == "iter_1/critic")
+    assert critic_metrics["converged"] in (0, 1) and "v_mean" in critic_metrics  # the convergence check is recorded
     labelled = read_episodes(root / "iter_2/label/labelled.parquet")
     assert {ep.source for ep in labelled} == {"expert", "self"}
     assert all(t.advantage is not None and t.value is not None and t.r_aux is not None

@@ -449,8 +449,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 summary = train_critic(read_episodes(root / buffer_path), critic_config, workdir, restart=True,
                                        progress=config.progress, log=log)
                 last = summary["history"][-1] if summary["history"] else {}
-                return {"critic": "."}, {key: value for key, value in last.items()
-                                         if isinstance(value, (int, float)) and not isinstance(value, bool)}
+                metrics = {key: value for key, value in last.items()
+                           if isinstance(value, (int, float)) and not isinstance(value, bool)}
+                return {"critic": "."}, {**metrics, "converged": int(summary["converged"])}  # 1/0: see train_critic
 
             critic = stage(f"{it}/critic", {"buffer": buffer.outputs["buffer"]}, critic_stage)
 
