@@ -117,7 +117,10 @@ def test_cpu_protocol_configs_load_with_every_row():
 
     root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
     configs = {f.stem: load_config(EvolveConfig, f) for f in sorted(root.glob("*.yaml"))}
-    assert set(configs) == {"alfworld", "webshop"}
+    assert set(configs) == {"alfworld", "webshop", "webshop-v2"}
+    v1, v2 = configs["webshop"].model_dump(), configs["webshop-v2"].model_dump()
+    v2["critic"]["epochs"], v2["critic"]["iql"]["polyak"] = v1["critic"]["epochs"], v1["critic"]["iql"]["polyak"]
+    assert (v2.pop("name"), v1.pop("name")) == ("cpu-webshop-v2", "cpu-webshop") and v1 == v2  # only the critic
     for config in configs.values():
         assert config.baselines == ["rft", "eto", "rerank"] and config.iterations == 2
         assert set(config.variants) == {"plain_iql", "q_minus_v", "awr"}
