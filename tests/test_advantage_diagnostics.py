@@ -152,5 +152,5 @@ def test_critic_fit_refuses_an_unlabelled_buffer_and_the_cli_reports(tmp_path):
     assert "auc_won_vs_lost" in shown.output and "| first" in shown.output
     as_json = json.loads(runner.invoke(app, ["data", "critic-fit", str(path), "--json"]).output)
     assert as_json["first_turn"]["auc_won_vs_lost"] == 1.0
-    bad = runner.invoke(app, ["data", "critic-fit", str(tmp_path / "missing.parquet")])
+    bad = runner.invoke(app, ["data", "critic-fit", str(tmp_path / "missing.parquet")], env={"COLUMNS": "500"})
     assert bad.exit_code != 0 and "missing.parquet" in bad.output
