@@ -354,8 +354,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     warning = unconverged_warning(history)
     if warning:
         log(f"WARNING: {warning}")
-    return {"finished": True, "converged": warning is None, "global_step": global_step, "history": history, "output": str(output),
-            "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
+    return {"finished": True, "converged": warning is None, "global_step": global_step, "history": history,
+            "output": str(output), "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
 
 
 def load_critic(folder: str | Path, device: str | None = None) -> Critic:

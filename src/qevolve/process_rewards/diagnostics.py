@@ -18,8 +18,10 @@ from collections import defaultdict
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from qevolve.buffer.store import Episode, usable_episodes
+from qevolve.critic.data import monte_carlo_returns
 from qevolve.process_rewards.advantages import shift_and_scale
 
 __all__ = ["action_kind", "action_kind_counts", "advantage_by_action_kind", "critic_fit", "STANDARDIZE_MODES"]
@@ -71,10 +73,7 @@ def advantage_by_action_kind(episodes: list[Episode],
         raise ValueError(f"standardize: expected one of {', '.join(STANDARDIZE_MODES)}, got {standardize!r}")
     episodes = usable_episodes(episodes, include_failed)
     turns = [(ep, turn) for ep in episodes for turn in ep.turns]
-    missing = next(((ep, t) for ep in episodes for t, turn in enumerate(ep.turns) if turn.advantage is None), None)
-    if missing is not None:
-        raise ValueError(f"episode {missing[0].episode_id!r} turn {missing[1]} has no advantage; "
-                         "label the buffer first (`qevolve label`)")
+    _require_label(episodes, "advantage", "advantage")
     labelled = np.array([float(turn.advantage) for _, turn in turns], dtype=np.float64)
     shift, scale = shift_and_scale(labelled, min_std) if standardize != "none" else (0.0, 1.0)
     shift = shift if standardize == "buffer" else 0.0  # buffer_scale: the same divisor, no centring
@@ -118,6 +117,15 @@ def action_kind_counts(episodes: list[Episode], top: int | None = None) -> dict[
     return {"episodes": len(episodes), "won": sum(ep.won for ep in episodes), "actions": actions, "rows": rows}
 
 
+def _require_label(episodes: list[Episode], field: str, name: str) -> None:
+    """Refuse a buffer with a turn whose ``field`` is unset (not labelled), naming the first such turn."""
+    missing = next(((ep, t) for ep in episodes for t, turn in enumerate(ep.turns) if getattr(turn, field) is None),
+                   None)
+    if missing is not None:
+        raise ValueError(f"episode {missing[0].episode_id!r} turn {missing[1]} has no {name}; "
+                         "label the buffer first (`qevolve label`)")
+
+
 def _fit(values: np.ndarray, returns: np.ndarray) -> dict[str, float | None]:
     """Explained variance, Pearson correlation and mean error (V - G) of values against returns."""
     if values.size < 2:
@@ -152,18 +160,11 @@ def critic_fit(episodes: list[Episode], gamma: float = 0.99, include_failed: boo
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma: expected a value in [0, 1], got {gamma}")
     episodes = usable_episodes(episodes, include_failed)
-    missing = next(((ep, t) for ep in episodes for t, turn in enumerate(ep.turns) if turn.value is None), None)
-    if missing is not None:
-        raise ValueError(f"episode {missing[0].episode_id!r} turn {missing[1]} has no value V; "
-                         "label the buffer first (`qevolve label`)")
+    _require_label(episodes, "value", "value V")
     values, returns, index, won = [], [], [], []
     for ep in episodes:
-        rewards = [float(turn.reward) for turn in ep.turns]
-        to_go, g = [], 0.0
-        for r in reversed(rewards):
-            g = r + gamma * g
-            to_go.append(g)
-        for t, (turn, g) in enumerate(zip(ep.turns, reversed(to_go))):
+        to_go = monte_carlo_returns(torch.tensor([float(turn.reward) for turn in ep.turns]), gamma)
+        for t, (turn, g) in enumerate(zip(ep.turns, to_go.tolist())):
             values.append(float(turn.value))
             returns.append(g)
             index.append(t)
