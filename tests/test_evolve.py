@@ -117,7 +117,8 @@ def test_cpu_protocol_configs_load_with_every_row():
 
     root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
     configs = {f.stem: load_config(EvolveConfig, f) for f in sorted(root.glob("*.yaml"))}
-    assert set(configs) == {"alfworld", "webshop", "webshop-v2"}
+    assert set(configs) == {"alfworld", "webshop", "webshop-v2", "webshop-quick"}
+    configs.pop("webshop-quick")  # the quickstart candidate: its own test below
     v1, v2 = configs["webshop"].model_dump(), configs["webshop-v2"].model_dump()
     v2["critic"]["epochs"], v2["critic"]["iql"]["polyak"] = v1["critic"]["epochs"], v1["critic"]["iql"]["polyak"]
     assert (v2.pop("name"), v1.pop("name")) == ("cpu-webshop-v2", "cpu-webshop") and v1 == v2  # only the critic
@@ -127,6 +128,29 @@ def test_cpu_protocol_configs_load_with_every_row():
         assert config.variants["awr"].policy["objective"]["kl_coef"] == 0.0
         assert config.rollout.tasks == "buffer_experts" and config.eto.objective.name == "dpo"
     assert configs["alfworld"].task_types and configs["alfworld"].model.lora.enabled is False
+
+
+def test_webshop_quickstart_candidate_is_v2_shrunk_only_where_its_header_says():
+    """configs/cpu/webshop-quick.yaml was fixed as v2 with smaller data and budgets; nothing else may differ."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
+    v2 = load_config(EvolveConfig, root / "webshop-v2.yaml").model_dump()
+    quick = load_config(EvolveConfig, root / "webshop-quick.yaml").model_dump()
+    changed = {("name",): "cpu-webshop-quick", ("iterations",): 1, ("bc", "data", "num_demonstrations"): 32,
+               ("bc", "grad_accum_steps"): 1, ("bc", "save_every"): 10, ("eval", "limit"): 50,
+               ("eval", "agent", "batch_size"): 25, ("buffer", "num_expert"): 16, ("critic", "epochs"): 500,
+               ("policy", "grad_accum_steps"): 1, ("rft", "grad_accum_steps"): 1, ("baselines",): ["rft"],
+               ("variants",): {}}
+    for path, value in changed.items():
+        q, v = quick, v2
+        for key in path[:-1]:
+            q, v = q[key], v[key]
+        assert q[path[-1]] == value, path
+        q[path[-1]] = v[path[-1]]
+    for unused in ("eto", "rerank"):  # baselines the candidate does not run
+        quick.pop(unused), v2.pop(unused)
+    assert quick == v2
 
 
 def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_dir, tmp_path):
