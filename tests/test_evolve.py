@@ -117,8 +117,8 @@ def test_cpu_protocol_configs_load_with_every_row():
 
     root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
     configs = {f.stem: load_config(EvolveConfig, f) for f in sorted(root.glob("*.yaml"))}
-    assert set(configs) == {"alfworld", "webshop", "webshop-v2", "webshop-quick"}
-    configs.pop("webshop-quick")  # the quickstart candidate: its own test below
+    assert set(configs) == {"alfworld", "webshop", "webshop-v2", "webshop-quick", "webshop-quick-ablations"}
+    configs.pop("webshop-quick"), configs.pop("webshop-quick-ablations")  # the quickstart candidate: own tests below
     v1, v2 = configs["webshop"].model_dump(), configs["webshop-v2"].model_dump()
     v2["critic"]["epochs"], v2["critic"]["iql"]["polyak"] = v1["critic"]["epochs"], v1["critic"]["iql"]["polyak"]
     assert (v2.pop("name"), v1.pop("name")) == ("cpu-webshop-v2", "cpu-webshop") and v1 == v2  # only the critic
@@ -151,6 +151,26 @@ def test_webshop_quickstart_candidate_is_v2_shrunk_only_where_its_header_says():
     for unused in ("eto", "rerank"):  # baselines the candidate does not run
         quick.pop(unused), v2.pop(unused)
     assert quick == v2
+
+
+def test_webshop_quick_ablations_extend_the_quick_run_with_v2s_rows():
+    """configs/cpu/webshop-quick-ablations.yaml adds only stages to the quick run (so --resume extends it),
+    and those stages are v2's (ETO at 1 step per micro-batch, as the quick protocol runs BPPO and RFT)."""
+    from pathlib import Path
+
+    from qevolve.evolve.loop import extension_of
+    from qevolve.evolve.run_dir import first_difference
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
+    quick = load_config(EvolveConfig, root / "webshop-quick.yaml").model_dump(mode="json")
+    wider = load_config(EvolveConfig, root / "webshop-quick-ablations.yaml").model_dump(mode="json")
+    v2 = load_config(EvolveConfig, root / "webshop-v2.yaml").model_dump(mode="json")
+    extended, changes = extension_of(quick, wider)
+    assert first_difference(extended, wider) is None and wider["name"] == quick["name"]
+    assert changes == ["iterations 1 -> 2", "baselines + eto, rerank", "variants + q_minus_v, awr, plain_iql"]
+    assert wider["variants"] == v2["variants"] and wider["rerank"] == v2["rerank"]
+    assert wider["baselines"] == v2["baselines"] and wider["iterations"] == v2["iterations"]
+    assert wider["eto"] == {**v2["eto"], "grad_accum_steps": 1}
 
 
 def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_dir, tmp_path):
@@ -208,3 +228,36 @@ def test_a_bad_variant_override_names_the_variant(experts_path, tiny_model_dir, 
     config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="badvariant")
     with pytest.raises(ValueError, match="variants.oops.label"):  # at start-up, before any stage
         EvolveConfig.model_validate({**config.model_dump(), "variants": {"oops": {"label": {"estimator": "nosuch"}}}})
+
+
+def test_a_finished_run_extends_with_a_baseline_a_variant_and_an_iteration(experts_path, tiny_model_dir, tmp_path):
+    """--resume with more iterations, baselines or variants runs only the new stages."""
+    config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="extend")
+    config = config.model_copy(update={"iterations": 1, "eval": config.eval.model_copy(update={"splits": ["seen"]})})
+    run_evolve(config, log=lambda m: None)
+    root = tmp_path / "runs" / "extend"
+    before = json.loads((root / "manifest.json").read_text())["stages"]
+    wider = EvolveConfig.model_validate({
+        **config.model_dump(), "iterations": 2, "baselines": ["rft"],
+        "rft": {**config.rft.model_dump(), "max_steps": 1, "grad_accum_steps": 1, "tokens_per_batch": 2048,
+                "tensorboard": False},
+        "variants": {"q_minus_v": {"label": {"estimator": "q_minus_v"}}}})
+    with pytest.raises(Exception, match="already holds a run"):
+        run_evolve(wider, log=lambda m: None)
+    table = run_evolve(wider, resume=True, log=lambda m: None)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["stages"][:len(before)] == before  # recorded stages kept as they were, not rerun
+    assert [s["name"] for s in manifest["stages"][len(before):]] == [
+        "iter_1/rft/policy", "iter_1/rft/eval_seen", "iter_1/q_minus_v/label", "iter_1/q_minus_v/policy",
+        "iter_1/q_minus_v/eval_seen", "iter_2/rollouts", "iter_2/buffer", "iter_2/critic", "iter_2/label",
+        "iter_2/policy", "iter_2/eval_seen"]
+    timed = [json.loads(line)["stage"] for line in (root / "timings.jsonl").read_text().splitlines()]
+    assert timed.count("bc") == 1 and timed.count("iter_1/policy") == 1
+    assert manifest["extensions"][0]["changes"] == ["iterations 1 -> 2", "baselines + rft", "variants + q_minus_v"]
+    assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "RFT (iter 1 buffer)", "q_minus_v (iter 1)",
+                                                "Q-Evolve iter 2"]
+    # a change to what a recorded stage read is still refused
+    with pytest.raises(Exception, match="started with label.gae_lambda"):
+        run_evolve(EvolveConfig.model_validate({**wider.model_dump(), "label": {**wider.label.model_dump(),
+                                                                                "gae_lambda": 0.5}}),
+                   resume=True, log=lambda m: None)

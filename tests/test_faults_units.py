@@ -136,3 +136,31 @@ def test_a_killed_worker_takes_its_children_with_it():
         pool.close()
     time.sleep(0.5)
     assert not psutil.pid_exists(second) or psutil.Process(second).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_finished_run_extends_with_more_iterations_baselines_and_variants_only(tmp_path):
+    from qevolve.evolve.loop import extension_of
+
+    config = {"name": "a", "seed": 0, "iterations": 1, "baselines": ["rft"], "rft": {"lr": 1},
+              "eto": {"beta": 0.1}, "variants": {"awr": {"policy": {"objective": "awr"}}}}
+    with RunDirectory(tmp_path / "a", config, seed=0) as run:
+        run.run_stage("bc", {}, writer("x"), log=lambda m: None)
+    wider = {**config, "iterations": 2, "baselines": ["rft", "eto"], "eto": {"beta": 0.5},
+             "variants": {**config["variants"], "q_minus_v": {"label": {"estimator": "q_minus_v"}}}}
+    with RunDirectory(tmp_path / "a", wider, seed=0, resume=True, extend=extension_of) as run:
+        assert run.completed("bc").outputs == {"file": "bc/out.txt"}
+    manifest = json.loads((tmp_path / "a/manifest.json").read_text())
+    assert manifest["config"] == wider
+    assert manifest["extensions"][0]["changes"] == ["iterations 1 -> 2", "baselines + eto", "variants + q_minus_v"]
+    # the extended run resumes under its new config as it stands
+    with RunDirectory(tmp_path / "a", wider, seed=0, resume=True, extend=extension_of) as run:
+        assert len(run.manifest["extensions"]) == 1
+    # whatever a recorded stage may have read must still match
+    refused = [({**wider, "rft": {"lr": 2}}, "rft.lr=1"),  # a baseline that had already run
+               ({**wider, "iterations": 1}, "iterations=2"),  # fewer iterations
+               ({**wider, "variants": {"awr": {"policy": {"objective": "ppo"}}, "q_minus_v": {}, "x": {}}},
+                "variants.awr.policy.objective=\"awr\""),  # a recorded variant changed
+               ({**wider, "baselines": ["eto"]}, "baselines=")]  # a baseline dropped
+    for changed, named in refused:
+        with pytest.raises(RunError, match=f"started with {named}"):
+            RunDirectory(tmp_path / "a", changed, seed=0, resume=True, extend=extension_of)

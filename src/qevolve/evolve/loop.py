@@ -174,6 +174,32 @@ class EvolveConfig(StageConfig):
         return self
 
 
+def extension_of(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """How ``new`` extends a finished run's ``recorded`` config without changing a recorded stage: more
+    ``iterations``, more ``baselines`` (with their own sections, which no recorded stage read), more
+    ``variants`` (the recorded ones unchanged). Returns ``recorded`` with those fields taken from
+    ``new`` and one line per change; anything else is left for the resume comparison to name."""
+    out, changes = dict(recorded), []
+    if isinstance(new.get("iterations"), int) and isinstance(recorded.get("iterations"), int) \
+            and new["iterations"] > recorded["iterations"]:
+        changes.append(f"iterations {recorded['iterations']} -> {new['iterations']}")
+        out["iterations"] = new["iterations"]
+    old_baselines, new_baselines = recorded.get("baselines"), new.get("baselines")
+    if isinstance(old_baselines, list) and isinstance(new_baselines, list) and set(old_baselines) < set(new_baselines):
+        added = [name for name in new_baselines if name not in old_baselines]
+        changes.append("baselines + " + ", ".join(added))
+        out["baselines"] = new_baselines
+        for name in added:
+            if name in new:
+                out[name] = new[name]
+    old_variants, new_variants = recorded.get("variants"), new.get("variants")
+    if isinstance(old_variants, dict) and isinstance(new_variants, dict) and set(old_variants) < set(new_variants) \
+            and all(new_variants[name] == settings for name, settings in old_variants.items()):
+        changes.append("variants + " + ", ".join(name for name in new_variants if name not in old_variants))
+        out["variants"] = new_variants
+    return out, changes
+
+
 def stage_seed(seed: int, stage: str) -> int:
     return int(hashlib.sha256(f"{seed}/{stage}".encode()).hexdigest()[:8], 16)
 
@@ -276,7 +302,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     validate_inputs(config)
     root = Path(config.runs_dir).expanduser() / config.name
     run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume, redo=redo,
-                       upgrade=lambda recorded: type(config).model_validate(recorded).model_dump(mode="json"))
+                       upgrade=lambda recorded: type(config).model_validate(recorded).model_dump(mode="json"),
+                       extend=extension_of)
     try:
         loggers = _Loggers(config, root)
     except BaseException:

@@ -98,10 +98,16 @@ class RunDirectory:
     """``runs/NAME`` with its manifest. ``resume=False`` refuses to touch an existing run."""
 
     def __init__(self, root: str | Path, config: dict[str, Any], seed: int, resume: bool = False,
-                 redo: str | None = None, upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+                 redo: str | None = None, upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 extend: Callable[[dict[str, Any], dict[str, Any]], tuple[dict[str, Any], list[str]]] | None = None):
         """``upgrade`` maps the recorded config through today's schema before the resume comparison, so a
         field added since the run started counts as its default (which kept the old behaviour)
-        instead of as a difference; a recorded config it cannot read is compared as it stands."""
+        instead of as a difference; a recorded config it cannot read is compared as it stands.
+
+        ``extend(recorded, new) -> (recorded', changes)`` lets a resume add stages to a finished run
+        (more iterations, another baseline or ablation): it returns the recorded config with the new
+        config's purely additive fields adopted and a line per change. The rest must still match; the
+        manifest then holds the new config and lists the changes under ``extensions``."""
         self.root = Path(root)
         manifest_path = self.root / MANIFEST
         self.root.mkdir(parents=True, exist_ok=True)
@@ -118,6 +124,9 @@ class RunDirectory:
                         recorded = upgrade(recorded)
                     except Exception:  # e.g. a field removed since: the comparison below names it
                         recorded = self.manifest["config"]
+                changes: list[str] = []
+                if extend is not None:
+                    recorded, changes = extend(recorded, config)
                 old = {k: v for k, v in recorded.items() if k not in LOCATION_FIELDS}
                 new = {k: v for k, v in config.items() if k not in LOCATION_FIELDS}
                 field = first_difference(old, new)
@@ -129,6 +138,13 @@ class RunDirectory:
                     raise RunError(f"{manifest_path}: the run was started with {field}={_short(at(old))}, "
                                    f"this config has {field}={_short(at(new))}; resume with the same config "
                                    "or start a new run")
+                if changes:
+                    # Recorded stages were computed by a config that agrees with this one on every
+                    # field they read; the new stages are named by the added fields and run fresh.
+                    self.manifest["config"] = config
+                    self.manifest.setdefault("extensions", []).append(
+                        {"changes": changes, "versions": package_versions()})
+                    self._save()
                 if redo is not None:
                     self._forget_from(redo)
             else:
