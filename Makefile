@@ -4,13 +4,16 @@
 setup:
 	bash scripts/setup.sh
 
-# The main job: one Q-Evolve iteration on a subset of ALFWorld with the embedded model (see configs/quickstart.yaml).
+# The main job: SFT, one Q-Evolve iteration and the RFT baseline on the WebShop quickstart protocol with
+# the embedded model (configs/cpu/webshop-quick.yaml), then the comparison table with paired-bootstrap CIs.
+# `--vllm` installs the vLLM backend only where it is the faster one (a GPU or a CPU with native bf16).
 # Every step is idempotent or resumable: running it again continues where it stopped.
-quickstart: setup
+quickstart:
+	bash scripts/setup.sh --vllm
 	.venv/bin/qevolve model install
-	.venv/bin/qevolve data expert alfworld --limit 256
-	.venv/bin/qevolve evolve --config configs/quickstart.yaml --resume
-	.venv/bin/qevolve compare runs/quickstart
+	.venv/bin/qevolve data expert webshop
+	.venv/bin/qevolve evolve --config configs/cpu/webshop-quick.yaml --resume
+	.venv/bin/qevolve compare runs/cpu-webshop-quick
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -99,7 +99,7 @@ def test_every_shipped_evolve_config_loads():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    files = [root / "quickstart.yaml", root / "alfworld.yaml", *sorted((root / "ablations").glob("*.yaml"))]
+    files = [root / "alfworld-quickstart.yaml", root / "alfworld.yaml", *sorted((root / "ablations").glob("*.yaml"))]
     assert len(files) == 11
     configs = {f.stem: load_config(EvolveConfig, f) for f in files}
     assert configs["plain_iql"].critic.iql.weighting.scheme == "plain"
@@ -261,3 +261,18 @@ def test_a_finished_run_extends_with_a_baseline_a_variant_and_an_iteration(exper
         run_evolve(EvolveConfig.model_validate({**wider.model_dump(), "label": {**wider.label.model_dump(),
                                                                                 "gae_lambda": 0.5}}),
                    resume=True, log=lambda m: None)
+
+
+def test_make_quickstart_compares_the_run_its_config_writes():
+    """The README's main job (`make quickstart`) runs one evolve config and then compares that config's run folder."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = (root / "Makefile").read_text().split("\nquickstart:", 1)[1].split("\n\n", 1)[0]
+    config_path = re.search(r"qevolve evolve --config (\S+)", recipe).group(1)
+    compared = re.search(r"qevolve compare (\S+)", recipe).group(1)
+    config = load_config(EvolveConfig, root / config_path)
+    assert compared == f"runs/{config.name}"
+    assert config.env == "webshop" and "rft" in config.baselines  # the SFT, RFT and Q-Evolve rows the README shows
+    assert re.search(rf"qevolve data expert {config.env}\b", recipe)  # its demonstrations are built first
