@@ -276,3 +276,42 @@ def test_make_quickstart_compares_the_run_its_config_writes():
     assert compared == f"runs/{config.name}"
     assert config.env == "webshop" and "rft" in config.baselines  # the SFT, RFT and Q-Evolve rows the README shows
     assert re.search(rf"qevolve data expert {config.env}\b", recipe)  # its demonstrations are built first
+
+
+def test_rft_trains_on_the_won_episodes_of_the_buffer_only(alfworld_experts, tiny_model_dir, tmp_path):
+    """RFT = behaviour cloning on the buffer's won episodes (expert and self); its first loss is their
+    mean agent-token NLL under the starting policy, not that of the buffer with its failures."""
+    import copy
+
+    from qevolve.evolve.loop import rft_config
+    from qevolve.policy.bc import evaluate_nll, prepare_sequences, run_bc
+    from qevolve.policy.model import ModelConfig, load_policy
+    from qevolve.policy.prompts import PromptBuilder
+
+    expert, won, lost, failed = (copy.deepcopy(ep) for ep in alfworld_experts[:4])
+    for ep in (won, lost, failed):
+        ep.source = "self"
+    lost.won, lost.score = False, 0.0
+    failed.won, failed.score, failed.failed, failed.failure_reason = False, 0.0, True, "step timeout"
+    buffer_file = write_episodes(tmp_path / "buffer.parquet", [expert, won, lost, failed])
+    config = load_config(EvolveConfig, None, [
+        f"model.name_or_path={tiny_model_dir}", "model.precision=fp32", "model.device=cpu", "model.lora.enabled=false",
+        "prompt.max_prompt_tokens=1024", "prompt.reserve_action_tokens=16", "progress=false",
+        "rft.max_steps=1", "rft.grad_accum_steps=1", "rft.tokens_per_batch=65536", "rft.tensorboard=false",
+        "rft.optim.lr=1e-9"])
+    rft = rft_config(config, str(tiny_model_dir), buffer_file, tmp_path / "rft")
+    assert rft.data.only_won and not rft.data.include_failed and rft.data.num_demonstrations is None
+    result = run_bc(rft, log=lambda m: None)
+    assert result.steps == 1 and len(result.losses) == 1
+
+    policy = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu"),
+                         trainable=False)
+    builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, "alfworld")
+
+    def nll(episodes):
+        return evaluate_nll(policy, prepare_sequences(episodes, builder), 65536)["agent_nll"]
+
+    # one micro-batch holds the whole data: the step's loss is the mean NLL over exactly the won episodes
+    assert result.train_sequences == len(prepare_sequences([expert, won], builder))
+    assert result.losses[0] == pytest.approx(nll([expert, won]), rel=1e-4)
+    assert abs(nll([expert, won, lost]) - nll([expert, won])) > 1e-3  # so the check can tell them apart

@@ -283,6 +283,18 @@ def validate_inputs(config: EvolveConfig) -> None:
                                     f"`qevolve data expert {config.env}` or set {field})")
 
 
+def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: Path) -> BCConfig:
+    """The RFT baseline's training: behaviour cloning from ``start`` on every won episode of the buffer,
+    expert and self alike (``only_won``; failed episodes are left out by ``include_failed: false``), with
+    the budget of ``config.rft``."""
+    return config.rft.model_copy(update={
+        "model": config.model.model_copy(update={"name_or_path": start}), "prompt": config.prompt,
+        "output_dir": str(output_dir), "seed": config.seed, "progress": config.progress,
+        "resume": False, "data": config.rft.data.model_copy(update={
+            "env": config.env, "train_path": str(buffer_file), "only_won": True,
+            "task_types": None, "num_demonstrations": None})})
+
+
 def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,
                stop_before: str | None = None, redo: str | None = None) -> dict[str, Any]:
     """Run (or resume) the loop; returns the success-rate table. ``stop_before`` ends the run just
@@ -371,13 +383,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 continue
             if name == "rft":
                 def rft_stage(workdir: Path):
-                    rft_config = config.rft.model_copy(update={
-                        "model": config.model.model_copy(update={"name_or_path": start}), "prompt": config.prompt,
-                        "output_dir": str(workdir), "seed": config.seed, "progress": config.progress,
-                        "resume": False, "data": config.rft.data.model_copy(update={
-                            "env": config.env, "train_path": str(root / buffer_path), "only_won": True,
-                            "task_types": None, "num_demonstrations": None})})
-                    result = run_bc(rft_config, log=log)
+                    result = run_bc(rft_config(config, start, root / buffer_path, workdir), log=log)
                     return {"policy": "final"}, {"steps": result.steps, "train_sequences": result.train_sequences,
                                                  "train_tokens": result.train_tokens}
                 record = stage(f"{it}/rft/policy", {"buffer": buffer_path, "start": start}, rft_stage)
