@@ -22,6 +22,8 @@ def test_stages_are_recorded_once_and_skipped_on_resume(tmp_path):
         RunDirectory(tmp_path / "r", {"a": 1}, seed=0)
     with pytest.raises(RunError, match="started with a=1, this config has a=2"):
         RunDirectory(tmp_path / "r", {"a": 2}, seed=0, resume=True)
+    # where the run lives and whether it draws progress bars compute nothing: they may change on resume
+    RunDirectory(tmp_path / "r", {"a": 1, "name": "moved", "progress": False}, seed=0, resume=True).close()
     again = RunDirectory(tmp_path / "r", {"a": 1}, seed=0, resume=True)
     calls = []
     again.run_stage("bc", {}, lambda w: calls.append(1) or ({}, {}), log=lambda m: None)

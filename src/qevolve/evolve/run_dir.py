@@ -31,8 +31,8 @@ METRICS = "metrics.jsonl"
 TIMINGS = "timings.jsonl"
 LOCK = ".lock"
 
-#: config fields that may differ on resume: where the run lives, not what it computes
-LOCATION_FIELDS = ("name", "runs_dir")
+#: config fields that may differ on resume: where the run lives and how it reports, not what it computes
+LOCATION_FIELDS = ("name", "runs_dir", "progress")
 
 TRACKED_PACKAGES = ("qevolve", "torch", "transformers", "peft", "alfworld", "textworld", "scienceworld", "pyarrow")
 
