@@ -110,3 +110,25 @@ def test_compare_adds_a_stand_alone_eval_folder_paired_with_the_first_runs_sft(t
     (posthoc / "metrics.json").unlink()
     with pytest.raises(ValueError, match="not a `qevolve eval` output folder"):
         compare_runs([run], extras=[("post-hoc", posthoc)])
+
+
+def test_compare_against_rft_names_it_and_keeps_the_sft_table(tmp_path):
+    """--baseline iter_1/rft gives Q-Evolve - RFT, headed as such, in its own files beside results.md."""
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    tasks = [f"t{i}" for i in range(4)]
+    run = _fake_run(tmp_path, "one", {"bc/eval_seen": {t: (False, 0.0) for t in tasks},
+                                      "iter_1/eval_seen": {t: (i < 3, 1.0 if i < 3 else 0.0) for i, t in enumerate(tasks)},
+                                      "iter_1/rft/eval_seen": {t: (i < 1, 1.0 if i < 1 else 0.0) for i, t in enumerate(tasks)}})
+    assert CliRunner().invoke(app, ["compare", str(run), "--resamples", "100"]).exit_code == 0
+    sft_table = (run / "results.md").read_text()
+    out = CliRunner().invoke(app, ["compare", str(run), "--baseline", "iter_1/rft", "--resamples", "100"])
+    assert out.exit_code == 0, out.output
+    assert (run / "results.md").read_text() == sft_table and "success - SFT [95% CI]" in sft_table
+    text = (run / "results_vs_iter_1_rft.md").read_text()
+    assert "success - RFT (iter 1 buffer) [95% CI]" in text
+    rows = {r["method"]: r for r in json.loads((run / "results_vs_iter_1_rft.json").read_text())["rows"]}
+    assert rows["Q-Evolve iter 1"]["success_diff"] == pytest.approx(2 / 4)  # 3/4 won against RFT's 1/4
+    assert rows["SFT (BC)"]["success_diff"] == pytest.approx(-1 / 4)

@@ -286,15 +286,16 @@ def report(run: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
 
 @app.command("compare")
 def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME); several = seeds, pooled too"),
-            output: Optional[Path] = typer.Option(None, help="folder for results.md and results.json "
-                                                  "(default: the run directory when one is given)"),
+            output: Optional[Path] = typer.Option(None, help="folder for results.md and results.json (against "
+                                                  "another baseline: results_vs_<baseline>.md/.json; default: the "
+                                                  "run directory when one is given)"),
             baseline: str = typer.Option("bc", help="stage prefix every method is compared with (bc = SFT)"),
             resamples: int = typer.Option(10_000, min=1, help="paired-bootstrap resamples"),
             seed: int = typer.Option(0, help="seed of the bootstrap"),
             extra: list[str] = typer.Option([], help="LABEL=FOLDER: also a stand-alone `qevolve eval` output "
                                             "folder, compared with the first run's baseline (repeatable)")) -> None:
     """Method x split success and reward, each with a paired-bootstrap 95% CI of its difference to SFT."""
-    from qevolve.evaluation.compare import compare_runs, render_markdown
+    from qevolve.evaluation.compare import compare_runs, render_markdown, results_stem
     from qevolve.evolve.run_dir import write_json_atomic
 
     if output is None:
@@ -313,12 +314,13 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
         fail(str(error))
     text = render_markdown(result)
     output.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(output / "results.json", result)
-    staging = output / ".results.md.tmp"
+    stem = results_stem(baseline)
+    write_json_atomic(output / f"{stem}.json", result)
+    staging = output / f".{stem}.md.tmp"
     staging.write_text(text)
-    staging.replace(output / "results.md")
+    staging.replace(output / f"{stem}.md")
     typer.echo(text)
-    typer.echo(f"wrote {output / 'results.md'} and {output / 'results.json'}")
+    typer.echo(f"wrote {output / f'{stem}.md'} and {output / f'{stem}.json'}")
 
 
 # ------------------------------------------------------------------------------- critic / label

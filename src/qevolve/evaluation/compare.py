@@ -24,7 +24,8 @@ import numpy as np
 
 from qevolve.buffer.store import read_episodes, shard_paths
 
-__all__ = ["paired_bootstrap", "load_run_evaluations", "compare_runs", "render_markdown"]
+__all__ = ["paired_bootstrap", "load_run_evaluations", "compare_runs", "render_markdown", "method_name",
+           "results_stem"]
 
 # What the diagnosis of a run reads from its manifest: (stage suffix, metric) pairs, where present.
 DIAGNOSTICS = [
@@ -146,7 +147,6 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
     ``extras`` are (label, folder) pairs of stand-alone ``qevolve eval`` outputs (e.g. a post-hoc
     policy trained from a run's buffer); each is compared with the first run's baseline, paired over
     the episodes both evaluated."""
-    from qevolve.evolve.loop import method_label
 
     runs = []
     for run_dir in run_dirs:
@@ -164,8 +164,7 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
                 order.append((e.prefix, e.split))
     order.sort(key=lambda key: (key[1], key[0] != baseline))  # split by split, the baseline first
     for prefix, split in order:
-        label = ("SFT (BC)" if prefix == "bc" else prefix[len("extra:"):] if prefix.startswith("extra:")
-                 else method_label(prefix))
+        label = method_name(prefix)
         per_run = []
         for run_dir, evaluations, _ in runs:
             found = {(e.prefix, e.split): e for e in evaluations}
@@ -190,6 +189,21 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
             "rows": rows, "diagnostics": diagnostics}
 
 
+def method_name(prefix: str) -> str:
+    """A row's method name: SFT (BC) for ``bc``, an extra's label, else the evolve loop's label."""
+    from qevolve.evolve.loop import method_label
+
+    if prefix == "bc":
+        return "SFT (BC)"
+    return prefix[len("extra:"):] if prefix.startswith("extra:") else method_label(prefix)
+
+
+def results_stem(baseline: str) -> str:
+    """File name stem of a comparison: ``results`` against SFT, ``results_vs_<prefix>`` against another
+    baseline, so comparing with RFT (``--baseline iter_1/rft``) does not overwrite the SFT table."""
+    return "results" if baseline == "bc" else "results_vs_" + baseline.replace("/", "_")
+
+
 def _with_run(evaluation: Evaluation, run: str) -> Evaluation:
     """The same evaluation with episode ids made unique across runs (pooled pairs stay within a run)."""
     return Evaluation(evaluation.run, evaluation.prefix, evaluation.split,
@@ -205,10 +219,11 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    lines = [f"Baseline: `{result['baseline']}`; paired bootstrap over common episodes, {result['resamples']:,} "
-             f"resamples, seed {result['seed']}; 95% percentile intervals.", "",
-             "| split | method | run | episodes | success | mean reward | invalid actions | success - SFT [95% CI] "
-             "| reward - SFT [95% CI] |",
+    name = "SFT" if result["baseline"] == "bc" else method_name(result["baseline"])
+    lines = [f"Baseline: `{result['baseline']}` ({name}); paired bootstrap over common episodes, "
+             f"{result['resamples']:,} resamples, seed {result['seed']}; 95% percentile intervals.", "",
+             f"| split | method | run | episodes | success | mean reward | invalid actions | success - {name} [95% CI] "
+             f"| reward - {name} [95% CI] |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         diff = reward = "-"
