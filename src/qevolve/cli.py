@@ -514,7 +514,7 @@ def evaluate(
 @app.command("evolve")
 def evolve(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. iterations=2"),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML EvolveConfig (e.g. configs/alfworld-quickstart.yaml)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML EvolveConfig (e.g. configs/cpu/webshop-quick.yaml)"),
     resume: bool = typer.Option(False, help="continue the run after its last completed stage; a config with more "
                                 "iterations, baselines or variants (nothing else changed) extends a finished run"),
     redo: Optional[str] = typer.Option(None, "--redo", help="forget recorded stage STAGE (e.g. iter_1/critic) "

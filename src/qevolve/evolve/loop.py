@@ -121,7 +121,7 @@ def _override(config: StageConfig, updates: dict[str, Any], where: str) -> Stage
 
 
 class EvolveConfig(StageConfig):
-    """The whole loop: ``qevolve evolve --config configs/alfworld-quickstart.yaml [key=value ...]``."""
+    """The whole loop: ``qevolve evolve --config configs/cpu/webshop-quick.yaml [key=value ...]``."""
 
     name: str = Field("run", description="run name: outputs go to RUNS_DIR/NAME")
     runs_dir: str = Field("runs", description="folder of run directories")
