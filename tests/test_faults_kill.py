@@ -203,8 +203,13 @@ def test_a_killed_environment_worker_costs_one_episode_and_the_run_finishes(setu
     def rollout_workers():
         if not staging(root, "iter_1/rollouts"):
             return []
+        def command(p):  # a child can exit (or be a zombie) between listing and reading it
+            try:
+                return " ".join(p.cmdline())
+            except psutil.Error:
+                return ""
         return [p for p in evolve.children(recursive=True)
-                if "multiprocessing-fork" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+                if "multiprocessing-fork" in command(p) and "resource_tracker" not in command(p)]
 
     found: list[psutil.Process] = []
     assert wait_until(lambda: found.extend(rollout_workers()) or found, proc), proc.stderr.read().decode()[-3000:]
