@@ -13,9 +13,14 @@ from qevolve.paths import shared_data_dir
 def pytest_configure(config):
     """Tiny models run fastest on one thread: with their small matrices, thread synchronisation
     dominates, and on a shared machine a busy second core makes it 10-50x slower (measured here)."""
+    import os
+
     import torch
 
     torch.set_num_threads(1)
+    # `agent.backend: auto` means hf in tests (subprocesses inherit it), whether or not vLLM is
+    # installed: tests of the vLLM backend ask for it by name (a vLLM engine start costs a minute).
+    os.environ.setdefault("QEVOLVE_AUTO_BACKEND", "hf")
 
 
 def ensure_installed(name: str) -> None:

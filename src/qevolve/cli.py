@@ -284,6 +284,24 @@ def report(run: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
     typer.echo(f"wrote {build_report(run, max_episodes=max_episodes)}")
 
 
+@app.command("diff")
+def diff(run_a: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
+         run_b: Path = typer.Argument(..., help="another run directory"),
+         as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON")) -> None:
+    """Whether two runs computed the same thing: config and environment differences, then every stage
+    equal or different (by the digests of its weights and trajectories), and for the first trajectory
+    file that differs, the first episode and turn where it does. Exits 1 when the runs differ."""
+    from qevolve.evolve.digests import compare_runs, render_diff
+
+    try:
+        result = compare_runs(run_a, run_b)
+    except (FileNotFoundError, RunError, StoreError) as error:
+        fail(str(error))
+    typer.echo(json.dumps(result, indent=1) if as_json else render_diff(result))
+    if not result["equal"]:
+        raise typer.Exit(1)
+
+
 @app.command("compare")
 def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME); several = seeds, pooled too"),
             output: Optional[Path] = typer.Option(None, help="folder for results.md and results.json (against "

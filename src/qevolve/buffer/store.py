@@ -356,3 +356,51 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
             "labelled": sum(t.advantage is not None for t in turns) / max(len(turns), 1),
         })
     return {"episodes": len(episodes), "groups": rows}
+
+
+# ------------------------------------------------------------------------------------------ content digests
+
+#: fields that measure how long something took, not what it was: left out of content digests
+TIMING_TURN_FIELDS = ("generation_seconds", "env_seconds")
+
+
+def _is_timing_key(key: str) -> bool:
+    return "second" in key or key.endswith("_time") or key in ("elapsed", "date")
+
+
+def episode_record(ep: Episode) -> dict[str, Any]:
+    """An episode as plain data without timing fields: what it *is*, for digests and ``qevolve diff``.
+
+    Floats stay exact (JSON writes the shortest repr that reads back bit for bit)."""
+    record = {name: getattr(ep, name) for name in _EPISODE_FIELDS}
+    record["meta"] = {k: v for k, v in ep.meta.items() if not _is_timing_key(k)}
+    turns = []
+    for turn in ep.turns:
+        values = {name: getattr(turn, name) for name in _TURN_FIELDS if name not in TIMING_TURN_FIELDS}
+        values["info"] = {k: v for k, v in turn.info.items() if not _is_timing_key(k)}
+        turns.append(values)
+    record["turns"] = turns
+    return record
+
+
+def sorted_episodes(episodes: Iterable[Episode]) -> list[Episode]:
+    """Episodes in the stable order every reader uses before a seeded choice: by episode id (ids are
+    unique in a store; ties, e.g. two stores merged, keep their input order)."""
+    return sorted(episodes, key=lambda ep: ep.episode_id)
+
+
+def content_digest(episodes: Iterable[Episode]) -> str:
+    """sha256 of the episodes' content in episode-id order: equal for two stores that hold the same
+    episodes, whatever their file order, shard boundaries, metadata or wall times."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for ep in sorted_episodes(episodes):
+        digest.update(json.dumps(episode_record(ep), sort_keys=True, separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def store_digest(path: str | Path) -> str:
+    """:func:`content_digest` of a trajectory file or sharded folder."""
+    return content_digest(read_episodes(path))

@@ -153,36 +153,43 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
 
     bar = progress_bar(total=len(todo), desc=f"{env_name} experts", unit="ep", enabled=progress)
     extra_attempts: collections.Counter = collections.Counter()
+    # Outcomes arrive in the order the workers finish them, which varies from run to run. They are
+    # written in job order instead: each decided job waits in ``decided`` until every job before it
+    # is decided, so the store (and every seeded choice made on it) does not depend on scheduling.
+    index_of = {id(job): i for i, job in enumerate(todo)}
+    decided: dict[int, tuple[str, Episode | None, str | None]] = {}  # index -> (task, episode, reason)
+    next_index = 0
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
-        round_jobs = todo
-        while round_jobs:  # a second round replays the tasks that asked for another attempt
-            retry_jobs: list[EpisodeJob] = []
-            for outcome in pool.run_episodes(round_jobs):
-                report.env_steps += outcome.steps
-                if outcome.failed:
-                    reason = f"failed: {outcome.error.splitlines()[0][:80]}"
-                else:
-                    reason = keep(outcome.episode)
-                task_id = outcome.job.task_id
-                if reason is not None and extra_attempts[task_id] < retries_of(task_id):
-                    extra_attempts[task_id] += 1
-                    report.retried += 1
-                    retry_jobs.append(outcome.job)
-                    continue
-                counts = report.per_task_type.setdefault(task_type(task_id), [0, 0])
+        queue = collections.deque(todo)  # a retry is appended and played in the same pass
+        for outcome in pool.run_episodes(queue):
+            report.env_steps += outcome.steps
+            if outcome.failed:
+                reason = f"failed: {outcome.error.splitlines()[0][:80]}"
+            else:
+                reason = keep(outcome.episode)
+            task_id = outcome.job.task_id
+            if reason is not None and extra_attempts[task_id] < retries_of(task_id):
+                extra_attempts[task_id] += 1
+                report.retried += 1
+                queue.append(outcome.job)
+                continue
+            decided[index_of[id(outcome.job)]] = (task_id, outcome.episode if reason is None else None, reason)
+            while next_index in decided:
+                task, episode, why = decided.pop(next_index)
+                next_index += 1
+                counts = report.per_task_type.setdefault(task_type(task), [0, 0])
                 counts[1] += 1
-                if reason is None:
-                    buffer.append(outcome.episode)
+                if why is None:
+                    buffer.append(episode)
                     report.kept += 1
                     counts[0] += 1
                 else:
-                    report.dropped[reason] += 1
-                pending_attempts[task_id] = reason
+                    report.dropped[why] += 1
+                pending_attempts[task] = why
                 bar.set_postfix(kept=report.kept, dropped=sum(report.dropped.values()), retried=report.retried)
                 bar.update(1)
                 if len(buffer) >= shard_size:
                     flush()
-            round_jobs = retry_jobs
     flush()
     bar.close()
     report.seconds = time.perf_counter() - started

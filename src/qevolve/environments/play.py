@@ -59,8 +59,12 @@ class PlayResult:
 def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: int = 2,
               env_kwargs: dict[str, Any] | None = None, progress: bool = True,
               step_timeout: float = 60.0) -> PlayResult:
-    """Play every job on ``num_workers`` processes; failed episodes count as lost, never dropped."""
+    """Play every job on ``num_workers`` processes; failed episodes count as lost, never dropped.
+
+    Episodes (and failures) are returned in job order, whatever order the workers finished them in."""
     env_kwargs = {"split": split, **(env_kwargs or {})}
+    index_of = {id(job): i for i, job in enumerate(jobs)}
+    order: list[int] = []
     episodes: list[Episode] = []
     failures: list[tuple[str, str]] = []
     steps = 0
@@ -69,6 +73,7 @@ def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: in
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
         for outcome in pool.run_episodes(jobs):
             steps += outcome.steps
+            order.append(index_of[id(outcome.job)])
             if outcome.failed:
                 failures.append((outcome.job.task_id, outcome.error or "failed"))
                 episodes.append(outcome.failed_episode(env_name))
@@ -78,6 +83,8 @@ def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: in
             bar.set_postfix(won=f"{won}/{len(episodes)}")
             bar.update(1)
     bar.close()
+    episodes = [episodes[i] for i in sorted(range(len(episodes)), key=order.__getitem__)]
+    failures = [(ep.task_id, ep.failure_reason or "failed") for ep in episodes if ep.failed]
     seconds = time.perf_counter() - started
     n = len(episodes)
     played = [ep for ep in episodes if not ep.failed]

@@ -359,8 +359,11 @@ class EnvPool(LockstepSlots):
     # -- whole episodes inside the workers -----------------------------------------------------
 
     def run_episodes(self, jobs: Iterable[EpisodeJob]) -> Iterator[EpisodeOutcome]:
-        """Play every job (one at a time per worker); yield outcomes in completion order."""
-        queue = deque(jobs)
+        """Play every job (one at a time per worker); yield outcomes in completion order.
+
+        Given a ``deque``, the pool takes jobs from it as it goes, so the caller may append one
+        (e.g. a retry) between two outcomes and it is played in the same pass."""
+        queue = jobs if isinstance(jobs, deque) else deque(jobs)
         running: dict[int, tuple[EpisodeJob, float, float, int]] = {}  # worker -> (job, deadline, start, steps)
         played: dict[int, int] = {}  # worker pid -> episodes it was given
         while queue or running:

@@ -69,3 +69,22 @@ class QuietCounterEnv(CounterEnv):
     (``qevolve.environments.testing:QuietCounterEnv``, used by the fault-injection tests)."""
 
     show_pid = False
+
+
+class JitteryCounterEnv(QuietCounterEnv):
+    """The quiet counter with 60 tasks (``count-N-K``: say ``next`` N times) whose steps take 0-18 ms,
+    a different time per task: worker processes finish episodes in an order that varies from run to
+    run, which is what the reproducibility tests need (``qevolve.environments.testing:JitteryCounterEnv``)."""
+
+    def tasks(self, split: str) -> list[str]:
+        return [f"count-{1 + k % 5}-{k}" for k in range(60)]
+
+    def reset(self, task_id: str) -> str:
+        import zlib
+
+        self._delay = (zlib.crc32(task_id.encode()) % 7) * 0.003
+        return super().reset(task_id)
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(self._delay)
+        return super().step(action)

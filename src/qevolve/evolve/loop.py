@@ -28,7 +28,6 @@ run computes what an uninterrupted one would.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -37,18 +36,19 @@ from typing import Any, Callable, Literal
 import torch
 from pydantic import Field, model_validator
 
-from qevolve.buffer.store import read_episodes, write_episodes
+from qevolve.buffer.store import Episode, read_episodes, sorted_episodes, write_episodes
 from qevolve.config import StageConfig
 from qevolve.critic.config import CriticConfig
 from qevolve.environments.experts import filter_task_types
-from qevolve.evolve.run_dir import RunDirectory
-from qevolve.policy.bc import BCConfig
+from qevolve.evolve.run_dir import RunDirectory, run_environment
+from qevolve.policy.bc import BCConfig, BCDataConfig
 from qevolve.policy.bppo import PolicyStageConfig
 from qevolve.policy.model import ModelConfig
 from qevolve.policy.prompts import PromptConfig
 from qevolve.process_rewards.label import LabelConfig
 from qevolve.rollouts.agent import AgentConfig
 from qevolve.allocator import release_free_memory
+from qevolve.seeding import DEMONSTRATIONS, derive_seed, seed_everything
 
 EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate", "episodes",
              "failed_episodes", "env_steps", "tokens_generated")
@@ -74,9 +74,13 @@ class EvalSettings(StageConfig):
 
 
 class BufferSettings(StageConfig):
-    expert_path: str | None = Field(None, description="expert demonstrations (null: DATA_DIR/experts/ENV)")
+    expert_source: Literal["bc", "extra"] = Field(
+        "bc", description="D_expert of the buffer: bc = the demonstrations behaviour cloning trained on (the "
+        "method); extra = other demonstrations of expert_path, disjoint from BC's (more expert data than SFT saw)")
+    expert_path: str | None = Field(None, description="expert_source extra: the store to draw from (null: "
+                                    "DATA_DIR/experts/ENV); expert_source bc reads bc.data.train_path")
     num_expert: int | None = Field(None, ge=1, description="a seeded subset of this many expert episodes "
-                                   "(null: all); the same subset in every iteration")
+                                   "(null: all of the source); the same subset in every iteration")
     self_data: Literal["refresh", "accumulate"] = Field(
         "refresh", description="refresh: D_self is this iteration's rollouts (the paper); accumulate: all iterations'")
     only_won_expert: bool = Field(True, description="keep only successful expert episodes")
@@ -200,15 +204,6 @@ def extension_of(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[dict[st
     return out, changes
 
 
-def stage_seed(seed: int, stage: str) -> int:
-    return int(hashlib.sha256(f"{seed}/{stage}".encode()).hexdigest()[:8], 16)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
 class _Loggers:
     def __init__(self, config: EvolveConfig, root: Path):
         self.tb = None
@@ -275,12 +270,80 @@ def validate_inputs(config: EvolveConfig) -> None:
     from qevolve.paths import data_dir
 
     experts = data_dir() / "experts" / config.env
-    for field, path, needed in (("bc.data.train_path", config.bc.data.train_path, not config.init_checkpoint),
-                                ("buffer.expert_path", config.buffer.expert_path, config.iterations > 0)):
+    from_bc = config.buffer.expert_source == "bc"
+    if from_bc and config.buffer.expert_path and config.iterations and \
+            Path(config.buffer.expert_path).expanduser() != Path(config.bc.data.train_path or experts).expanduser():
+        raise ValueError(f"buffer.expert_path {config.buffer.expert_path!r}: with buffer.expert_source bc the "
+                         "buffer's experts are behaviour cloning's demonstrations (bc.data.train_path); set "
+                         "buffer.expert_source=extra to draw other ones from this store")
+    for field, path, needed in (("bc.data.train_path", config.bc.data.train_path,
+                                 not config.init_checkpoint or (from_bc and config.iterations > 0)),
+                                ("buffer.expert_path", config.buffer.expert_path,
+                                 not from_bc and config.iterations > 0)):
         path = Path(path).expanduser() if path else experts
         if needed and not path.exists():
             raise FileNotFoundError(f"{field} {str(path)!r}: no such file or folder (build the expert set with "
                                     f"`qevolve data expert {config.env}` or set {field})")
+
+
+def environment_of(config: EvolveConfig) -> dict[str, Any]:
+    """The run's environment (:func:`run_environment`) with the choices ``auto`` settings resolve to here."""
+    from qevolve.policy.model import resolve_device, resolve_precision
+    from qevolve.rollouts.agent import resolve_backend
+
+    device = resolve_device(config.model.device)
+    backends = {}
+    for part, agent in (("rollout", config.rollout.agent), ("eval", config.eval.agent)):
+        try:
+            backends[part] = resolve_backend(agent.backend)
+        except ValueError as err:  # vllm asked for but missing: the stage says so when it runs
+            backends[part] = f"unavailable ({err})"
+    return run_environment({
+        "device": str(device), "precision": resolve_precision(config.model.precision, device),
+        "generation_backend": backends,
+        "batch_sizes": {"rollout": config.rollout.agent.batch_size, "eval": config.eval.agent.batch_size,
+                        "bc_tokens": config.bc.tokens_per_batch, "policy_tokens": config.policy.tokens_per_batch}})
+
+
+def bc_data_config(config: EvolveConfig) -> BCDataConfig:
+    """Behaviour cloning's data settings as the loop runs them: the protocol's environment and task
+    types, and the demonstrations drawn with the seed tree's node :data:`DEMONSTRATIONS` (unless
+    ``bc.data.seed`` is set), which the buffer's D_expert is drawn from too."""
+    data = config.bc.data
+    return data.model_copy(update={"env": config.env, "task_types": config.task_types, "seed": data.seed
+                                   if data.seed is not None else derive_seed(config.seed, DEMONSTRATIONS)})
+
+
+def buffer_experts(config: EvolveConfig) -> list[Episode]:
+    """D_expert of the buffer (the same in every iteration), sorted by episode id.
+
+    ``buffer.expert_source`` bc: the demonstrations behaviour cloning trained on (with a reused
+    ``init_checkpoint``: those ``bc.data`` selects); extra: the usable episodes of ``buffer.expert_path``
+    that are not among them. Either way ``buffer.num_expert`` takes a subset seeded by the node
+    ``buffer/experts`` of the seed tree, after sorting, so the store's file order never matters."""
+    from qevolve.buffer.store import usable_episodes
+    from qevolve.paths import data_dir
+    from qevolve.policy.bc import select_demonstrations
+
+    demonstrations, _, _ = select_demonstrations(bc_data_config(config), derive_seed(config.seed, "bc"))
+    if config.buffer.expert_source == "bc":
+        experts = list(demonstrations)
+    else:
+        path = Path(config.buffer.expert_path).expanduser() if config.buffer.expert_path else \
+            data_dir() / "experts" / config.env
+        taken = {ep.episode_id for ep in demonstrations}
+        experts = [ep for ep in usable_episodes(read_episodes(path)) if ep.episode_id not in taken]
+        if config.task_types is not None:
+            keep = set(filter_task_types(config.env, sorted({ep.task_id for ep in experts}), config.task_types,
+                                         f"task_types (experts {path})"))
+            experts = [ep for ep in experts if ep.task_id in keep]
+    if config.buffer.only_won_expert:
+        experts = [ep for ep in experts if ep.won]
+    experts = sorted_episodes(experts)
+    if config.buffer.num_expert is not None and config.buffer.num_expert < len(experts):
+        rng = random.Random(derive_seed(config.seed, "buffer/experts"))
+        experts = sorted_episodes(rng.sample(experts, config.buffer.num_expert))
+    return experts
 
 
 def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: Path) -> BCConfig:
@@ -289,8 +352,8 @@ def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: 
     the budget of ``config.rft``."""
     return config.rft.model_copy(update={
         "model": config.model.model_copy(update={"name_or_path": start}), "prompt": config.prompt,
-        "output_dir": str(output_dir), "seed": config.seed, "progress": config.progress,
-        "resume": False, "data": config.rft.data.model_copy(update={
+        "output_dir": str(output_dir), "seed": derive_seed(config.seed, "iter_1/rft/policy"),
+        "progress": config.progress, "resume": False, "data": config.rft.data.model_copy(update={
             "env": config.env, "train_path": str(buffer_file), "only_won": True,
             "task_types": None, "num_demonstrations": None})})
 
@@ -309,19 +372,32 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     from qevolve.process_rewards.label import label_episodes
     from qevolve.rollouts.run import RolloutConfig, run_eval, run_rollouts
 
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    # One thread count for the whole run: CPU reductions (hence weights) depend on it. Set before any
+    # engine starts and asserted again at every stage (vLLM's CPU worker replaces torch.set_num_threads
+    # with a no-op when its engine starts in this process; build_engine puts it back).
+    threads = config.num_threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
     validate_inputs(config)
     root = Path(config.runs_dir).expanduser() / config.name
     run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume, redo=redo,
                        upgrade=lambda recorded: type(config).model_validate(recorded).model_dump(mode="json"),
-                       extend=extension_of)
+                       extend=extension_of, environment=environment_of(config))
+    if run.environment_changed:
+        log(f"WARNING: resuming {root} in another environment than it started in ({', '.join(run.environment_changed)} "
+            "differ): later stages may not compute what an uninterrupted run would; recorded in the manifest")
     try:
         loggers = _Loggers(config, root)
     except BaseException:
         run.close()
         raise
     results: dict[str, dict[str, float]] = {}
+    # The seed tree: each stage's seed is derive_seed(seed, stage name), the name holding the iteration
+    # (iter_1/critic, iter_1/plain_iql/critic, ...); current["seed"] is that of the stage running now,
+    # which every stage function gives its stage config (trainer, critic heads, sampled decoding).
+    current: dict[str, int] = {}
+
+    def seed_of(name: str) -> int:
+        return derive_seed(config.seed, name)
 
     def rel(path: str) -> str:
         """Paths inside the run are recorded relative to it, so the manifest does not depend on where it lives."""
@@ -335,7 +411,14 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             raise KeyboardInterrupt(f"stopped before {name}")
 
         def seeded(workdir: Path):
-            _seed_everything(stage_seed(config.seed, name))
+            current["seed"] = seed_of(name)
+            seed_everything(current["seed"])
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+                if torch.get_num_threads() != threads:
+                    log(f"WARNING: [{name}] runs with {torch.get_num_threads()} torch threads, not {threads} "
+                        "(something in this process fixed the count); its results may differ from a run "
+                        "with the asked count")
             try:
                 outputs, metrics = fn(workdir)
             finally:
@@ -367,7 +450,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                    task_stride=stride, task_types=config.task_types,
                                    model=config.model.model_copy(
                                        update={"name_or_path": policy_path}),
-                                   prompt=config.prompt, agent=agent, source="eval", **rerank)
+                                   prompt=config.prompt, source="eval", **rerank,
+                                   agent=agent.model_copy(update={"seed": current["seed"]}))
                 metrics = run_eval(rc, workdir, progress=config.progress)
                 return ({"trajectories": "trajectories", "metrics": "metrics.json"},
                         {k: metrics[k] for k in EVAL_KEYS if k in metrics})
@@ -392,7 +476,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     eto_config = config.eto.model_copy(update={
                         "env": config.env, "buffer_path": str(root / buffer_path),
                         "model": config.model.model_copy(update={"name_or_path": start}), "reference": bc_policy,
-                        "prompt": config.prompt, "output_dir": str(workdir), "seed": config.seed,
+                        "prompt": config.prompt, "output_dir": str(workdir), "seed": current["seed"],
                         "progress": config.progress, "resume": False})
                     summary = run_policy_update(eto_config, log=log).summary()
                     return {"policy": "final"}, {key: value for key, value in summary.items()
@@ -407,8 +491,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 return {}, {"reused_checkpoint": 1}
             bc_config = config.bc.model_copy(update={
                 "model": config.model, "prompt": config.prompt, "output_dir": str(workdir),
-                "data": config.bc.data.model_copy(update={"env": config.env, "task_types": config.task_types}),
-                "seed": config.seed,
+                "data": bc_data_config(config), "seed": current["seed"],
                 "progress": config.progress, "resume": False})
             result = run_bc(bc_config, log=log)
             metrics = {"steps": result.steps, "train_tokens": result.train_tokens,
@@ -422,23 +505,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         bc_policy = config.init_checkpoint or str(root / bc_record.outputs["policy"])
         evaluate("bc", bc_policy)
 
-        # -- expert buffer (the same seeded subset in every iteration) ---------------------------
-        expert_path = Path(config.buffer.expert_path).expanduser() if config.buffer.expert_path else \
-            data_dir() / "experts" / config.env
-
-        def buffer_experts():
-            """The seeded expert subset of the buffer (the same in every iteration)."""
-            experts = read_episodes(expert_path)
-            if config.buffer.only_won_expert:
-                experts = [ep for ep in experts if ep.won]
-            if config.task_types is not None:
-                keep = set(filter_task_types(config.env, sorted({ep.task_id for ep in experts}), config.task_types,
-                                             f"task_types (experts {expert_path})"))
-                experts = [ep for ep in experts if ep.task_id in keep]
-            if config.buffer.num_expert is not None and config.buffer.num_expert < len(experts):
-                rng = random.Random(f"experts/{config.seed}")
-                experts = sorted(rng.sample(experts, config.buffer.num_expert), key=lambda ep: ep.episode_id)
-            return experts
+        expert_source = str(config.bc.data.train_path or data_dir() / "experts" / config.env) \
+            if config.buffer.expert_source == "bc" else \
+            str(config.buffer.expert_path or data_dir() / "experts" / config.env)
         policy_path = bc_policy
         self_paths: list[str] = []
         for k in range(1, config.iterations + 1):
@@ -447,12 +516,13 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             def rollout_stage(workdir: Path, policy_path=policy_path):
                 task_ids = None
                 if config.rollout.tasks == "buffer_experts":
-                    task_ids = sorted({ep.task_id for ep in buffer_experts()})
+                    task_ids = sorted({ep.task_id for ep in buffer_experts(config)})
                 rc = RolloutConfig(env=config.env, split=config.rollout.split, limit=config.rollout.limit,
                                    task_stride=config.rollout.task_stride, task_types=config.task_types,
                                    episodes_per_task=config.rollout.episodes_per_task,
                                    model=config.model.model_copy(update={"name_or_path": policy_path}),
-                                   prompt=config.prompt, agent=config.rollout.agent, source="self")
+                                   prompt=config.prompt, source="self",
+                                   agent=config.rollout.agent.model_copy(update={"seed": current["seed"]}))
                 metrics = run_rollouts(rc, workdir, progress=config.progress, task_ids=task_ids)
                 return {"trajectories": "."}, {k2: metrics[k2] for k2 in EVAL_KEYS if k2 in metrics}
 
@@ -461,8 +531,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                           if config.buffer.self_data == "accumulate" else [rollouts.outputs["trajectories"]])
 
             def buffer_stage(workdir: Path, self_paths=tuple(self_paths)):
-                experts = buffer_experts()
-                own = [ep for path in self_paths for ep in read_episodes(root / path)]
+                experts = buffer_experts(config)
+                own = sorted_episodes(ep for path in self_paths for ep in read_episodes(root / path))
                 policy = load_policy(config.model.model_copy(update={"name_or_path": policy_path}), trainable=False)
                 builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
                 # Self turns keep their generated ids (token-in-token-out); expert turns are tokenised once here.
@@ -473,12 +543,12 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     "self_success_rate": sum(ep.won for ep in own) / max(len(own), 1),
                     "turns": sum(ep.num_turns for ep in episodes)}
 
-            buffer = stage(f"{it}/buffer", {"experts": str(expert_path), "self": ",".join(self_paths)}, buffer_stage)
+            buffer = stage(f"{it}/buffer", {"experts": expert_source, "self": ",".join(self_paths)}, buffer_stage)
 
             critic_init = config.critic.init or (bc_policy if config.critic_init == "bc" else None)
 
             def critic_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_config=config.critic):
-                critic_config = critic_config.model_copy(update={"init": critic_init, "seed": config.seed})
+                critic_config = critic_config.model_copy(update={"init": critic_init, "seed": current["seed"]})
                 summary = train_critic(read_episodes(root / buffer_path), critic_config, workdir, restart=True,
                                        progress=config.progress, log=log)
                 last = summary["history"][-1] if summary["history"] else {}
@@ -506,7 +576,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     "env": config.env, "buffer_path": str(root / labelled_path),
                     "model": config.model.model_copy(update={"name_or_path": start}),
                     "reference": bc_policy, "prompt": config.prompt, "output_dir": str(workdir),
-                    "seed": config.seed, "progress": config.progress, "resume": False})
+                    "seed": current["seed"], "progress": config.progress, "resume": False})
                 result = run_policy_update(policy_config, log=log)
                 summary = result.summary()
                 return {"policy": "final"}, {key: value for key, value in summary.items()

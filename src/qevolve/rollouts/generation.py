@@ -62,6 +62,17 @@ class SamplingParams:
 class GenerationRequest:
     key: Hashable  # the episode this prompt belongs to
     prompt_ids: list[int]
+    # sampled decoding: this request's own seed (the agent derives it from the run's seed, the episode
+    # and the turn), so what it draws does not depend on the other requests of its batch; null: the
+    # batch-level SamplingParams.seed
+    seed: int | None = None
+
+
+def request_seed(seed: int, *key: Hashable) -> int:
+    """A 32-bit seed for one request from a base seed and a key (e.g. the episode id and the turn)."""
+    import zlib
+
+    return zlib.crc32("/".join(str(part) for part in (seed, *key)).encode())
 
 
 @dataclass
@@ -374,8 +385,11 @@ class HFGenerationBackend(GenerationBackend):
         logits = self._forward(ids.to(device), mask.to(device), positions.to(device))
         self.stats.prompt_tokens_encoded += sum(len(c) for c in chunks)
 
-        generator = None
-        if params.seed is not None:
+        generator, row_generators = None, None
+        if params.temperature > 0 and any(r.seed is not None for r in requests):
+            row_generators = [torch.Generator(device="cpu").manual_seed(
+                r.seed if r.seed is not None else request_seed(params.seed or 0, r.key)) for r in requests]
+        elif params.seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(params.seed)
         stop_ids = self.stop_token_ids
         out_ids: list[list[int]] = [[] for _ in range(batch)]
@@ -383,7 +397,10 @@ class HFGenerationBackend(GenerationBackend):
         live = torch.ones(batch, dtype=torch.bool)
         for step in range(params.max_new_tokens):
             logits_cpu = logits.cpu()
-            token = _sample(logits_cpu, params, generator)
+            if row_generators is None:
+                token = _sample(logits_cpu, params, generator)
+            else:  # each row from its own generator: a row's draws do not depend on its batch
+                token = torch.cat([_sample(logits_cpu[i:i + 1], params, g) for i, g in enumerate(row_generators)])
             logprob = torch.log_softmax(logits_cpu, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
             for i in torch.nonzero(live).flatten().tolist():
                 out_ids[i].append(int(token[i]))

@@ -23,7 +23,7 @@ from typing import Hashable, Literal, Sequence
 import torch
 
 from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, GenerationResult, GenerationStats, \
-    SamplingParams
+    SamplingParams, request_seed
 
 __all__ = ["CriticRerankBackend", "critic_q_scores"]
 
@@ -87,7 +87,9 @@ class CriticRerankBackend(GenerationBackend):
         if self.num_candidates > 1 and params.temperature <= 0:
             raise ValueError("critic re-ranking samples its candidates: set a temperature > 0")
         n = self.num_candidates
-        expanded = [GenerationRequest((r.key, j), r.prompt_ids) for r in requests for j in range(n)]
+        expanded = [GenerationRequest((r.key, j), r.prompt_ids,
+                                      None if r.seed is None else request_seed(r.seed, j))
+                    for r in requests for j in range(n)]
         candidates = self.inner.generate(expanded, params)
         results = []
         for i, request in enumerate(requests):

@@ -159,13 +159,25 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
             shard_index += 1
             pending.clear()
 
+    # Episodes finish in an order that depends on their lengths and the batch; they are written in
+    # job order (each waits until every earlier job has finished), so the shards hold the same
+    # sequence in a fresh and in a resumed run.
+    index_of = {episode_id: i for i, (episode_id, _) in enumerate(jobs)}
+    finished: dict[int, Episode] = {}
+    next_index = 0
+
     def on_episode(episode: Episode) -> None:
-        pending.append(episode)
-        if len(pending) >= config.shard_size:
-            flush()
+        nonlocal next_index
+        finished[index_of[episode.episode_id]] = episode
+        while next_index in finished:
+            pending.append(finished.pop(next_index))
+            next_index += 1
+            if len(pending) >= config.shard_size:
+                flush()
 
     result = run_agent(config.env, config.split, jobs, backend, builder, tokenizer, config.agent,
                        source=config.source, progress=progress, on_episode=on_episode)
+    pending.extend(finished[i] for i in sorted(finished))  # none unless an episode went missing
     flush()
     episodes = read_episodes(output) if shard_paths(output) else []  # failed ones too, marked failed
     metrics = episode_metrics(episodes)
