@@ -15,5 +15,7 @@ quickstart:
 	.venv/bin/qevolve evolve --config configs/cpu/webshop-quick.yaml --resume
 	.venv/bin/qevolve compare runs/cpu-webshop-quick
 
-test: setup
+# The tests install the vLLM backend where `make quickstart` would (its tests then run instead of skipping).
+test:
+	bash scripts/setup.sh --vllm
 	.venv/bin/python -m pytest -q

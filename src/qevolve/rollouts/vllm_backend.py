@@ -201,16 +201,12 @@ def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: 
         # Per-request seeds (sampled decoding that does not depend on the batch) crash vLLM 0.32's CPU
         # runner when a seeded prompt's prefill is split over steps; whole prefills avoid that.
         kwargs["enable_chunked_prefill"] = False
-    # Starting an engine reseeds Python's, numpy's and torch's global generators (to the engine seed),
-    # and its CPU worker replaces torch.set_num_threads with a no-op for the whole process. Neither may
-    # change what the stage computes after it: the generators are restored, the function put back and
-    # the thread count kept.
-    from qevolve.seeding import preserved_rng
-
+    # Starting an engine reseeds Python's, numpy's and torch's global generators (to the engine seed;
+    # backend_for_checkpoint restores them), and its CPU worker replaces torch.set_num_threads with a
+    # no-op for the whole process: the function is put back and the thread count kept.
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
-        with preserved_rng():
-            return vllm.LLM(**kwargs)
+        return vllm.LLM(**kwargs)
     finally:
         torch.set_num_threads = set_num_threads
         if torch.get_num_threads() != threads:
@@ -361,13 +357,18 @@ def backend_for_checkpoint(checkpoint: str | Path, settings: VLLMSettings,
                 shutil.rmtree(_ENGINE["folder"], ignore_errors=True)
             _ENGINE.update(folder=folder, weights=weights, temporary=temporary)
     else:
+        from qevolve.seeding import preserved_rng
+
         shutdown_engine()
-        engine = build_engine(folder, settings)
-        try:
-            _warm_up(engine)
-        except Exception:
-            with contextlib.suppress(Exception):
-                engine.llm_engine.engine_core.shutdown()
-            raise
+        # The engine start reseeds the global generators and its warm-up samples from them: what the
+        # stage draws next must not depend on whether (or when) an engine started.
+        with preserved_rng():
+            engine = build_engine(folder, settings)
+            try:
+                _warm_up(engine)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    engine.llm_engine.engine_core.shutdown()
+                raise
         _ENGINE.update(engine=engine, key=key, folder=folder, weights=weights, temporary=temporary)
     return VLLMGenerationBackend(_ENGINE["engine"], stop_token_ids)
