@@ -54,7 +54,10 @@ def tensor_digest(path: Path) -> str:
     Loaded with ``weights_only=True``: a digest never runs code from a run folder."""
     import torch
 
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - not loadable as plain tensors and containers: its bytes stand for it
+        return "file:" + _file_sha256(path)
     digest = hashlib.sha256()
     for name, tensor in _tensors(saved):
         tensor = tensor.detach().contiguous()
