@@ -299,7 +299,7 @@ def test_rft_trains_on_the_won_episodes_of_the_buffer_only(alfworld_experts, tin
         "prompt.max_prompt_tokens=1024", "prompt.reserve_action_tokens=16", "progress=false",
         "rft.max_steps=1", "rft.grad_accum_steps=1", "rft.tokens_per_batch=65536", "rft.tensorboard=false",
         "rft.optim.lr=1e-9"])
-    rft = rft_config(config, str(tiny_model_dir), buffer_file, tmp_path / "rft")
+    rft = rft_config(config, str(tiny_model_dir), buffer_file, tmp_path / "rft", seed=0)
     assert rft.data.only_won and not rft.data.include_failed and rft.data.num_demonstrations is None
     result = run_bc(rft, log=lambda m: None)
     assert result.steps == 1 and len(result.losses) == 1

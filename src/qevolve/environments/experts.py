@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 
 from qevolve.buffer.store import Episode, read_episodes, shard_paths, write_shard
-from qevolve.environments.pool import EnvPool, EpisodeJob
+from qevolve.environments.pool import EnvPool, EpisodeJob, JobOrder
 
 ExpertSourceFn = Callable[..., tuple[list[EpisodeJob], list[tuple[str, str]]]]
 _EXPERT_SOURCES: dict[str, ExpertSourceFn] = {}
@@ -154,11 +154,10 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
     bar = progress_bar(total=len(todo), desc=f"{env_name} experts", unit="ep", enabled=progress)
     extra_attempts: collections.Counter = collections.Counter()
     # Outcomes arrive in the order the workers finish them, which varies from run to run. They are
-    # written in job order instead: each decided job waits in ``decided`` until every job before it
-    # is decided, so the store (and every seeded choice made on it) does not depend on scheduling.
+    # written in job order instead, so the store (and every seeded choice made on it) does not
+    # depend on scheduling.
     index_of = {id(job): i for i, job in enumerate(todo)}
-    decided: dict[int, tuple[str, Episode | None, str | None]] = {}  # index -> (task, episode, reason)
-    next_index = 0
+    decided = JobOrder()  # of (task, episode or None, reason)
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
         queue = collections.deque(todo)  # a retry is appended and played in the same pass
         for outcome in pool.run_episodes(queue):
@@ -173,10 +172,8 @@ def generate_experts(env_name: str, output: Path, jobs: list[EpisodeJob], pre_dr
                 report.retried += 1
                 queue.append(outcome.job)
                 continue
-            decided[index_of[id(outcome.job)]] = (task_id, outcome.episode if reason is None else None, reason)
-            while next_index in decided:
-                task, episode, why = decided.pop(next_index)
-                next_index += 1
+            for task, episode, why in decided.add(index_of[id(outcome.job)],
+                                                  (task_id, outcome.episode if reason is None else None, reason)):
                 counts = report.per_task_type.setdefault(task_type(task), [0, 0])
                 counts[1] += 1
                 if why is None:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from qevolve.buffer.store import Episode
 from qevolve.environments.base import get_factory, make_environment
-from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy
+from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy, JobOrder
 from qevolve.environments.policies import RandomPolicy, WalkthroughPolicy
 from qevolve.progress import progress_bar
 
@@ -64,26 +64,20 @@ def play_jobs(env_name: str, jobs: list[EpisodeJob], split: str, num_workers: in
     Episodes (and failures) are returned in job order, whatever order the workers finished them in."""
     env_kwargs = {"split": split, **(env_kwargs or {})}
     index_of = {id(job): i for i, job in enumerate(jobs)}
-    order: list[int] = []
+    in_order = JobOrder()
     episodes: list[Episode] = []
-    failures: list[tuple[str, str]] = []
-    steps = 0
+    steps = won = finished = 0
     started = time.perf_counter()
     bar = progress_bar(total=len(jobs), desc=f"{env_name}/{split}", unit="ep", enabled=progress)
     with EnvPool(env_name, env_kwargs, num_workers=num_workers, step_timeout=step_timeout) as pool:
         for outcome in pool.run_episodes(jobs):
             steps += outcome.steps
-            order.append(index_of[id(outcome.job)])
-            if outcome.failed:
-                failures.append((outcome.job.task_id, outcome.error or "failed"))
-                episodes.append(outcome.failed_episode(env_name))
-            else:
-                episodes.append(outcome.episode)
-            won = sum(ep.won for ep in episodes)
-            bar.set_postfix(won=f"{won}/{len(episodes)}")
+            episode = outcome.failed_episode(env_name) if outcome.failed else outcome.episode
+            episodes += in_order.add(index_of[id(outcome.job)], episode)
+            won, finished = won + episode.won, finished + 1
+            bar.set_postfix(won=f"{won}/{finished}")
             bar.update(1)
     bar.close()
-    episodes = [episodes[i] for i in sorted(range(len(episodes)), key=order.__getitem__)]
     failures = [(ep.task_id, ep.failure_reason or "failed") for ep in episodes if ep.failed]
     seconds = time.perf_counter() - started
     n = len(episodes)

@@ -71,6 +71,30 @@ class EpisodeJob:
     episode_id: str | None = None
 
 
+class JobOrder:
+    """Puts results that arrive in completion order back into job order: :meth:`add` takes the result
+    of job ``index`` and returns every result that is now next in line (none while an earlier job is
+    still out). Files written from its output hold the same sequence however the work was scheduled."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, Any] = {}
+        self._next = 0
+
+    def add(self, index: int, result: Any) -> list[Any]:
+        self._waiting[index] = result
+        released = []
+        while self._next in self._waiting:
+            released.append(self._waiting.pop(self._next))
+            self._next += 1
+        return released
+
+    def remaining(self) -> list[Any]:
+        """What still waits (an earlier job never reported), in job order."""
+        out = [self._waiting[i] for i in sorted(self._waiting)]
+        self._waiting.clear()
+        return out
+
+
 @dataclass
 class EpisodeOutcome:
     job: EpisodeJob

@@ -92,7 +92,7 @@ def output_digests(folder: str | Path) -> dict[str, str]:
                 result[str(rel)] = store_digest(path)
     for shards in sorted(shard_folders):
         rel = shards.relative_to(base)
-        result[str(rel) if str(rel) != "." else "."] = store_digest(shards)
+        result[str(rel)] = store_digest(shards)
     return dict(sorted(result.items()))
 
 
@@ -194,8 +194,7 @@ def compare_runs(a: str | Path, b: str | Path) -> dict[str, Any]:
                   (path.endswith(".parquet") or not Path(path).suffix)]
         if stores and first_trajectory is None:
             path = stores[0]
-            where = first_episode_difference(a / name / path if path != "." else a / name,
-                                             b / name / path if path != "." else b / name)
+            where = first_episode_difference(a / name / path, b / name / path)
             first_trajectory = {"stage": name, "file": path, "where": where}
             row["detail"] += f"; first difference: {where}"
         rows.append(row)

@@ -346,13 +346,13 @@ def buffer_experts(config: EvolveConfig) -> list[Episode]:
     return experts
 
 
-def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: Path) -> BCConfig:
+def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: Path, seed: int) -> BCConfig:
     """The RFT baseline's training: behaviour cloning from ``start`` on every won episode of the buffer,
     expert and self alike (``only_won``; failed episodes are left out by ``include_failed: false``), with
-    the budget of ``config.rft``."""
+    the budget of ``config.rft`` and the stage's ``seed``."""
     return config.rft.model_copy(update={
         "model": config.model.model_copy(update={"name_or_path": start}), "prompt": config.prompt,
-        "output_dir": str(output_dir), "seed": derive_seed(config.seed, "iter_1/rft/policy"),
+        "output_dir": str(output_dir), "seed": seed,
         "progress": config.progress, "resume": False, "data": config.rft.data.model_copy(update={
             "env": config.env, "train_path": str(buffer_file), "only_won": True,
             "task_types": None, "num_demonstrations": None})})
@@ -396,9 +396,6 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     # which every stage function gives its stage config (trainer, critic heads, sampled decoding).
     current: dict[str, int] = {}
 
-    def seed_of(name: str) -> int:
-        return derive_seed(config.seed, name)
-
     def rel(path: str) -> str:
         """Paths inside the run are recorded relative to it, so the manifest does not depend on where it lives."""
         try:
@@ -411,7 +408,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             raise KeyboardInterrupt(f"stopped before {name}")
 
         def seeded(workdir: Path):
-            current["seed"] = seed_of(name)
+            current["seed"] = derive_seed(config.seed, name)
             seed_everything(current["seed"])
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -467,7 +464,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 continue
             if name == "rft":
                 def rft_stage(workdir: Path):
-                    result = run_bc(rft_config(config, start, root / buffer_path, workdir), log=log)
+                    result = run_bc(rft_config(config, start, root / buffer_path, workdir, current["seed"]), log=log)
                     return {"policy": "final"}, {"steps": result.steps, "train_sequences": result.train_sequences,
                                                  "train_tokens": result.train_tokens}
                 record = stage(f"{it}/rft/policy", {"buffer": buffer_path, "start": start}, rft_stage)

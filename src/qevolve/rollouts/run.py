@@ -19,6 +19,7 @@ from qevolve.buffer.store import Episode, read_episodes, shard_paths, write_shar
 from qevolve.config import StageConfig
 from qevolve.environments.experts import filter_task_types
 from qevolve.environments.play import list_tasks
+from qevolve.environments.pool import JobOrder
 from qevolve.evaluation.metrics import episode_metrics
 from qevolve.evolve.run_dir import package_versions, write_json_atomic
 from qevolve.policy.model import ModelConfig, load_policy
@@ -163,21 +164,17 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
     # job order (each waits until every earlier job has finished), so the shards hold the same
     # sequence in a fresh and in a resumed run.
     index_of = {episode_id: i for i, (episode_id, _) in enumerate(jobs)}
-    finished: dict[int, Episode] = {}
-    next_index = 0
+    in_order = JobOrder()
 
     def on_episode(episode: Episode) -> None:
-        nonlocal next_index
-        finished[index_of[episode.episode_id]] = episode
-        while next_index in finished:
-            pending.append(finished.pop(next_index))
-            next_index += 1
+        for ready in in_order.add(index_of[episode.episode_id], episode):
+            pending.append(ready)
             if len(pending) >= config.shard_size:
                 flush()
 
     result = run_agent(config.env, config.split, jobs, backend, builder, tokenizer, config.agent,
                        source=config.source, progress=progress, on_episode=on_episode)
-    pending.extend(finished[i] for i in sorted(finished))  # none unless an episode went missing
+    pending.extend(in_order.remaining())  # none unless an episode went missing
     flush()
     episodes = read_episodes(output) if shard_paths(output) else []  # failed ones too, marked failed
     metrics = episode_metrics(episodes)
