@@ -24,6 +24,27 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def load_state(path: str | Path) -> Any:
+    """``torch.load`` of a saved state (critic, trainer checkpoint) that runs no code from the file:
+    ``weights_only=True`` takes tensors and plain containers only. A run folder from a colleague or a
+    download that holds anything else is refused with one line naming the file."""
+    import pickle
+
+    import numpy as np
+
+    # numpy arrays (the critic's per-epoch accumulators) are data too: their reconstruction and dtypes
+    # are allowed, and whatever they hold still passes the same restricted unpickler
+    numpy_data = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                  *(getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType"))]
+    try:
+        with torch.serialization.safe_globals(numpy_data):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = (str(err).strip().splitlines() or ["not plain tensors and containers"])[0]
+        raise ValueError(f"{path}: refused to load: it holds objects other than tensors and plain containers, "
+                         f"which could run code ({first[:120]})") from None
+
+
 def relative_to_folder(path: str | Path, folder: str | Path) -> str | None:
     """``path`` relative to ``folder`` (``../../bc/final``) when both lie in one run directory, so a
     moved or renamed run still finds it; None when ``path`` is not a local folder or shares no

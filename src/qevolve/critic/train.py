@@ -32,7 +32,7 @@ from qevolve.buffer.store import Episode, usable_episodes
 from qevolve.config import dump_config
 from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
-from qevolve.critic.checkpoint import atomic_torch_save, recorded_path, relative_to_folder
+from qevolve.critic.checkpoint import atomic_torch_save, load_state, recorded_path, relative_to_folder
 from qevolve.critic.config import CriticConfig
 from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint, token_budget_batches
 from qevolve.critic.iql import iql_losses
@@ -215,7 +215,7 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     epoch, batch_done, global_step, history, acc = 0, 0, 0, [], _new_accumulator()
     state_path = output / STATE_FILE
     if state_path.is_file() and not restart:
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = load_state(state_path)
         reason = _same_run(state, config, str(init_path), fingerprint)
         if reason:
             raise ValueError(f"{state_path}: cannot resume ({reason}); use another output folder or restart")
@@ -364,7 +364,7 @@ def load_critic(folder: str | Path, device: str | None = None) -> Critic:
     path = path / CRITIC_FILE if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no trained critic (run `qevolve critic` to completion first)")
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = load_state(path)
     if saved.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: critic format {saved.get('format')}, expected {FORMAT_VERSION}")
     config = CriticConfig.model_validate(saved["config"])

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+from qevolve.critic.checkpoint import load_state
 from pydantic import Field
 
 from qevolve.config import StageConfig
@@ -209,8 +211,7 @@ class Trainer:
             if not config.resume:
                 raise ValueError(f"output_dir {self.output_dir} already holds checkpoints; set resume=true to "
                                  f"continue or choose another output_dir")
-            self.resume_state = torch.load(self.checkpoint / "trainer_state.pt", map_location="cpu",
-                                           weights_only=False)
+            self.resume_state = load_state(self.checkpoint / "trainer_state.pt")
             diff = first_difference(self.resume_state["fingerprint"], self.fingerprint)
             if diff:
                 raise ValueError(f"output_dir {self.output_dir}: its checkpoint was made with a different "
