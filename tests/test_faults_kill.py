@@ -183,6 +183,8 @@ def test_killed_in_every_stage_then_resumed_equals_an_uninterrupted_run(setup):
     ours, theirs = json.loads((root / "manifest.json").read_text()), json.loads((ref_root / "manifest.json").read_text())
     for key in ("stages", "seed", "versions"):
         assert ours[key] == theirs[key], key
+    # ... the stages' digests of weights and trajectories included: every stage recorded some
+    assert all(stage["digests"] for stage in ours["stages"]), [s["name"] for s in ours["stages"] if not s["digests"]]
     assert {k: v for k, v in ours["config"].items() if k != "runs_dir"} == \
            {k: v for k, v in theirs["config"].items() if k != "runs_dir"}
     assert (root / "metrics.jsonl").read_text() == (ref_root / "metrics.jsonl").read_text()
