@@ -271,3 +271,32 @@ def test_sampled_requests_carry_their_own_seeds_on_cpu_without_chunked_prefill(t
     other = backend.generate([GenerationRequest(1, prompts[1], seed=100)], params)
     again = backend.generate([GenerationRequest(1, prompts[1], seed=99)], params)
     assert again[0].token_ids == alone[0].token_ids and other[0].token_ids != alone[0].token_ids
+
+
+@needs_vllm
+def test_cli_eval_with_vllm_is_quiet_by_default_and_verbose_on_request(alfworld_installed, tiny_pair, tmp_path):
+    """An evaluation on vLLM printed ~190 lines, 150 of them third-party warnings (a float32 checkpoint
+    loaded as bf16, missing optional kernels, a traceback-like chat-template warm-up message), around a
+    4-line result. By default only what concerns the user remains; ``--verbose`` shows it all."""
+    import subprocess
+    import sys
+
+    folders, _ = tiny_pair
+
+    def run(*flags):
+        argv = ["qevolve", *flags, "eval", "--checkpoint", str(folders[0]), "--split", "seen", "--limit", "1",
+                "--output", str(tmp_path / "out"), "agent.backend=vllm", "agent.max_new_tokens=4"]
+        env = {k: v for k, v in __import__("os").environ.items()
+               if k not in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "QEVOLVE_VERBOSE")}
+        code = f"import sys; sys.argv = {argv!r}; from qevolve.cli import main; main()"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return (proc.stdout + proc.stderr).splitlines()
+
+    quiet = run()
+    assert len(quiet) <= 6, "\n".join(quiet)
+    assert not [line for line in quiet if "WARNING" in line or "Traceback" in line or "Warning" in line]
+    assert any(line.startswith("| alfworld") for line in quiet)
+    loud = run("--verbose")
+    assert len(loud) > len(quiet) + 20
+    assert any("WARNING" in line for line in loud)

@@ -33,6 +33,14 @@ data_app = typer.Typer(help="Install data, build expert demonstrations, inspect 
                        no_args_is_help=True)
 env_app = typer.Typer(help="Play environments with scripted policies.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+
+
+@app.callback()
+def _options(verbose: bool = typer.Option(False, "--verbose", help="also show third-party libraries' log lines, "
+                                          "deprecation warnings and loading bars (hidden by default)")) -> None:
+    from qevolve.progress import quiet_logs
+
+    quiet_logs(show_all=verbose)  # before any sub-command loads torch, transformers or vLLM
 app.add_typer(env_app, name="env")
 
 USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FileNotFoundError, KeyError, ValueError)

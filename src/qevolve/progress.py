@@ -15,6 +15,7 @@ time and an ETA, and one last line when such a loop ends (a loop shorter than N 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -138,6 +139,36 @@ def progress_bar(iterable: Iterable[Any] | None = None, *, total: int | None = N
         return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial)
     quiet_third_party(bars=False)
     return StatusLine(iterable, total=total, desc=desc, unit=unit, initial=initial)
+
+
+#: Log levels of third-party libraries for a quiet command line, as the environment variables they read
+#: when they load (so worker processes inherit them): vLLM prints ~150 warnings for one evaluation (a
+#: float32 checkpoint loaded as bf16, missing optional kernels, a chat-template warm-up traceback
+#: although no chat template is used), PyTorch's C++ core its NUMA binding, transformers its notices.
+QUIET_LOG_LEVELS = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error"}
+
+#: set (to 1) by ``qevolve --verbose``: third-party logs, warnings and loading bars are shown
+VERBOSE_VARIABLE = "QEVOLVE_VERBOSE"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_VARIABLE, "") not in ("", "0")
+
+
+def quiet_logs(show_all: bool = False) -> None:
+    """The command line's output policy: third-party log lines below ERROR and their deprecation
+    warnings are hidden (qevolve's own warnings and every error stay), unless ``show_all``
+    (``--verbose``). A level the user set in the environment wins. Call before those libraries load."""
+    if show_all:
+        os.environ[VERBOSE_VARIABLE] = "1"
+        return
+    for variable, level in QUIET_LOG_LEVELS.items():
+        os.environ.setdefault(variable, level)
+    # vLLM logs some warnings while it is imported inside an engine start, before its own logging set-up
+    # applies the level above; they reach Python's last-resort handler unless its logger has a level.
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(?!qevolve)")
 
 
 def quiet_third_party(bars: bool | None = None) -> None:

@@ -175,6 +175,8 @@ def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: 
     ``load_format="dummy"`` gives random weights of the folder's architecture (benchmarks)."""
     import torch
 
+    from qevolve.progress import verbose
+
     if not torch.cuda.is_available():
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_gb)
     if settings.in_process:
@@ -184,6 +186,8 @@ def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: 
         model=str(model_folder), skip_tokenizer_init=True, enable_prefix_caching=True, dtype=_engine_dtype(settings),
         enforce_eager=settings.enforce_eager, seed=settings.seed, logprobs_mode="raw_logprobs",
         generation_config="vllm", tensor_parallel_size=settings.tensor_parallel_size, load_format=load_format,
+        # its own "Loading safetensors checkpoint shards" bar: the stage's progress line says what runs
+        use_tqdm_on_load=verbose(),
     )
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
