@@ -25,7 +25,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# ScienceWorld needs a Java runtime (>= 11): install it where we can, else say what to do.
+# ScienceWorld needs a Java runtime (>= 8): install it where we can, else say what to do.
 if ! python -m qevolve.environments.sciworld.java >/dev/null 2>&1; then
   install_cmd=$(python -m qevolve.environments.sciworld.java --install-command 2>/dev/null || true)
   if [ -n "$install_cmd" ] && [ "$(id -u)" = 0 ]; then
@@ -33,7 +33,7 @@ if ! python -m qevolve.environments.sciworld.java >/dev/null 2>&1; then
     apt-get update -qq && $install_cmd >/dev/null
   else
     python -m qevolve.environments.sciworld.java || true  # prints the one-line reason
-    echo "setup: warning: ScienceWorld will not run until a Java runtime (>= 11) is installed" >&2
+    echo "setup: warning: ScienceWorld will not run until a Java runtime (>= 8) is installed" >&2
   fi
 fi
 

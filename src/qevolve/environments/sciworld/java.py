@@ -49,7 +49,7 @@ def is_debian_like(os_release: Path = Path("/etc/os-release")) -> bool:
 def install_hint() -> str:
     if is_debian_like():
         return f"install one with `{DEBIAN_INSTALL_COMMAND}` (as root)"
-    return ("install a Java runtime (OpenJDK 11 or newer, e.g. from your package manager or "
+    return ("install a Java runtime (Java 8 or newer, e.g. from your package manager or "
             "https://adoptium.net) and put `java` on PATH or set JAVA_HOME")
 
 
