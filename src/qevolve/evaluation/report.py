@@ -581,8 +581,9 @@ def training_html(run_root: Path, stages: list[dict[str, Any]]) -> str:
         main, more = training_panels(series, axis)
         title = _stage_title(name)
         steps = max((points[-1][0] for points in series.values() if points), default=0)
-        extra = (f"<details class='more'><summary>{len(more)} more curves ({_e(', '.join(sorted(set(series) - set(t for _, tags in TRAINING_PANELS for t in tags))))})"
-                 f"</summary><div class='plots'>{''.join(more)}</div></details>") if more else ""
+        others = sorted(set(series) - {tag for _, tags in TRAINING_PANELS for tag in tags})
+        extra = (f"<details class='more'><summary>other curves ({len(more)}): {_e(', '.join(others))}</summary>"
+                 f"<div class='plots'>{''.join(more)}</div></details>") if more else ""
         blocks.append(f"<h3 id='training-{_e(name)}'>{_e(name)}{' · ' + _e(title) if title else ''} "
                       f"<span class='note'>({fmt_number(steps)} {axis}s)</span></h3>"
                       f"<div class='plots'>{''.join(main)}</div>{extra}")
