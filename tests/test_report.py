@@ -299,3 +299,17 @@ def test_plots_have_their_elements_in_headless_chromium(tmp_path):
     px, py = next((px, py) for _, svg, px, py in placed if svg.get("data-kind") == "training")
     with pytest.raises(AssertionError):
         _check_plot(image, iterations, px, py)
+
+
+def test_cli_report_writes_the_page_and_refuses_a_non_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    root = make_run(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(root), "--max-eval-episodes", "3"])
+    assert result.exit_code == 0, result.output
+    assert "showing the first 3 of 10 episodes" in (root / "report.html").read_text()
+    bad = CliRunner().invoke(app, ["report", str(tmp_path / "nowhere")])
+    # raised to `qevolve`'s entry point, which prints it as one line (the runner calls the app directly)
+    assert isinstance(bad.exception, FileNotFoundError) and "no manifest.json" in str(bad.exception)
