@@ -105,10 +105,16 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def _tick_label(value: float, ticks: list[float]) -> str:
+    """A tick's label with as many digits as the tick step needs (no two ticks read the same)."""
     step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 1.0
-    if 0 < step < 1e-3:
-        return f"{value:.1e}"
-    decimals = next((d for d in range(10) if abs(round(step, d) - step) <= 1e-9 * max(1.0, step)), 3)
+    decimals = next((d for d in range(16) if abs(round(step, d) - step) <= 1e-9 * step), 6)
+    largest = max(abs(t) for t in ticks)
+    if 0 < step < 1e-3 and largest < 1e-2:  # small numbers: in scientific notation
+        if value == 0:
+            return "0"
+        digits = max(1, math.floor(math.log10(largest)) - math.floor(math.log10(step))
+                     + (1 if round(step / 10 ** math.floor(math.log10(step)), 6) % 1 else 0))
+        return f"{value:.{digits}e}"
     return f"{value:,.{decimals}f}"
 
 
@@ -201,7 +207,10 @@ def line_chart(title: str, lines: list[Line], markers: list[Marker] = (), *, x_l
     if not xs:
         return ""
     left, right, top = 52, 14, 26
-    y_ticks = _ticks(min(ys), max(ys), 4)
+    low, high = min(ys), max(ys)
+    if low == high and low >= 0:  # a flat non-negative curve: from 0, not centred on its value
+        low, high = 0.0, max(high, 1.0)
+    y_ticks = _ticks(low, high, 4)
     y0, y1 = y_ticks[0], y_ticks[-1]
     if x_names:
         x0, x1 = min(min(xs), min(x_names)) - 0.3, max(max(xs), max(x_names)) + 0.3
@@ -279,7 +288,8 @@ def method_chart(metric: str, methods: list[str], splits: list[str], values: dic
     total_height = height + legend_height + 6
 
     a0 = min(0.0, min(values.values()))
-    a_ticks = _ticks(a0, max(1.0 if metric.endswith("rate") else 0.0, max(values.values())), 4)
+    a1 = max(1.0 if metric.endswith("rate") else 0.0, max(values.values()))
+    a_ticks = _ticks(a0, a1 if a1 > a0 else a0 + 1.0, 4)
     ax0, ax1 = label_width, label_width + abs_width
 
     def sa(v: float) -> float:
@@ -585,7 +595,7 @@ def training_html(run_root: Path, stages: list[dict[str, Any]]) -> str:
         extra = (f"<details class='more'><summary>other curves ({len(more)}): {_e(', '.join(others))}</summary>"
                  f"<div class='plots'>{''.join(more)}</div></details>") if more else ""
         blocks.append(f"<h3 id='training-{_e(name)}'>{_e(name)}{' · ' + _e(title) if title else ''} "
-                      f"<span class='note'>({fmt_number(steps)} {axis}s)</span></h3>"
+                      f"<span class='note'>({fmt_number(steps)} {axis}{'' if steps == 1 else 's'})</span></h3>"
                       f"<div class='plots'>{''.join(main)}</div>{extra}")
     if not blocks:
         return "<p>no training curves: no stage of this run logged per-step scalars (scalars.jsonl, " \
@@ -764,7 +774,7 @@ def build_report(run_root: str | Path, max_episodes: int = 200, max_eval_episode
          f"<div class='plots' id='plots'>{iterations}</div>" if iterations else "<p>no evaluation stages yet</p>"),
         ("training", "Training curves",
          "<p class='note'>What each training stage logged per optimizer step (the critic: per epoch). The same "
-         "curves are in TensorBoard: <code>tensorboard --logdir RUN</code>.</p>" + training_html(run_root, stages)),
+         f"curves are in TensorBoard: <code>tensorboard --logdir {_e(run_root)}</code>.</p>" + training_html(run_root, stages)),
         ("stage-metrics", "Stage metrics", stage_tables(stages)),
         ("evaluations", "Evaluation trajectories",
          "<p class='note'>Every evaluation stage's episodes, collapsed: open a stage, then an episode.</p>"
