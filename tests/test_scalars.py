@@ -88,6 +88,11 @@ def test_the_run_level_loggers_send_step_curves_to_tensorboard_and_wandb(tmp_pat
     loggers.log("iter_1/policy", 1, {"steps": 3})
     loggers.log_steps("iter_1/policy", stage)
     loggers.log_steps("iter_1/eval_seen", root / "iter_1" / "eval_seen")  # no curves: nothing logged
+    (root / "iter_1" / "critic").mkdir(parents=True)
+    (root / "iter_1" / "critic" / "metrics.jsonl").write_bytes(b"\xff\xfe not text")  # a warning, the run goes on
+    warnings = []
+    loggers.log_steps("iter_1/critic", root / "iter_1" / "critic", warn=warnings.append)
+    assert len(warnings) == 1 and "[iter_1/critic] its per-step curves were not logged" in warnings[0]
     loggers.close()
 
     events = read_event_scalars(root / "tensorboard")
