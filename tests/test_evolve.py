@@ -222,6 +222,16 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     labelled = read_episodes(root / "iter_1/q_minus_v/label/labelled.parquet")
     main = read_episodes(root / "iter_1/label/labelled.parquet")
     assert [t.advantage for ep in labelled for t in ep.turns] != [t.advantage for ep in main for t in ep.turns]
+    # every training stage's per-step curves reach the report and the run's TensorBoard folder
+    from qevolve.evaluation.report import build_report, collect_series
+    from qevolve.scalars import read_event_scalars
+
+    page = build_report(root, resamples=200).read_text()
+    for name in ("bc", "iter_1/critic", "iter_1/policy", "iter_1/rft/policy", "iter_1/eto/policy", "iter_1/awr/policy"):
+        assert f"<h3 id='training-{name}'>" in page, name
+    assert [k for k, _ in collect_series(list(stages.values()))["success_rate"]["seen"]] == [0, 1]
+    assert {"iter_1/policy/policy/kl_ref", "bc/train/loss", "iter_1/critic/critic/loss_v"} <= \
+        set(read_event_scalars(root / "tensorboard"))
 
 
 def test_a_bad_variant_override_names_the_variant(experts_path, tiny_model_dir, tmp_path):

@@ -285,11 +285,13 @@ def env_play(
 
 @app.command("report")
 def report(run: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
-           max_episodes: int = typer.Option(200, help="trajectories shown per labelled buffer")) -> None:
-    """Write RUN/report.html: metrics per iteration as plots and a browsable, coloured trajectory list."""
+           max_episodes: int = typer.Option(200, help="trajectories shown per labelled buffer"),
+           max_eval_episodes: int = typer.Option(50, help="trajectories shown per evaluation stage")) -> None:
+    """Write RUN/report.html: methods compared (with compare's 95% CIs), metrics per iteration, training
+    curves, stage metrics, and browsable evaluation and labelled trajectories, in one static file."""
     from qevolve.evaluation.report import build_report
 
-    typer.echo(f"wrote {build_report(run, max_episodes=max_episodes)}")
+    typer.echo(f"wrote {build_report(run, max_episodes=max_episodes, max_eval_episodes=max_eval_episodes)}")
 
 
 @app.command("diff")

@@ -229,6 +229,40 @@ class _Loggers:
         if self.wandb is not None:
             self.wandb.log({**scalars, "iteration": iteration})
 
+    def log_steps(self, stage: str, folder: Path, warn: Callable[[str], None] = print) -> None:
+        """The per-step training curves of a finished stage (:func:`qevolve.scalars.stage_scalars`) as
+        ``<stage>/<tag>`` at the stage's own steps (a critic's: its epochs): in TensorBoard beside the
+        per-stage points, in W&B against the stage's step metric ``<stage>/step``. A log that cannot be
+        read is a warning: the stage's results are recorded already and the run goes on."""
+        from qevolve.scalars import stage_scalars
+
+        if self.tb is None and self.wandb is None:
+            return
+        try:
+            series, axis = stage_scalars(folder)
+        except Exception as error:  # noqa: BLE001 - curves are a view of the run, never a reason to stop it
+            warn(f"WARNING: [{stage}] its per-step curves were not logged ({type(error).__name__}: {error})")
+            return
+        if not series:
+            return
+        by_step: dict[int, dict[str, float]] = {}
+        for tag, points in series.items():
+            for step, value in points:
+                by_step.setdefault(step, {})[f"{stage}/{tag}"] = value
+        if self.tb is not None:
+            for step, values in sorted(by_step.items()):
+                for key, value in values.items():
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            # W&B's own step only grows; each stage's curves are plotted against their own x axis
+            step_key = f"{stage}/{axis}"
+            self.wandb.define_metric(step_key)
+            for tag in series:
+                self.wandb.define_metric(f"{stage}/{tag}", step_metric=step_key)
+            for step, values in sorted(by_step.items()):
+                self.wandb.log({step_key: step, **values})
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -429,6 +463,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
         record = run.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log)
         loggers.log(name, _iteration_of(name), record.metrics)
+        loggers.log_steps(name, root / name, warn=log)
         return record
 
     def evaluate(prefix: str, policy_path: str, critic_path: str | None = None) -> None:

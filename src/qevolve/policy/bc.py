@@ -35,6 +35,7 @@ from qevolve.policy.forward import target_nll
 from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import RESUME_FREE, ScalarWriter, Trainer, TrainingConfig, latest_checkpoint
+from qevolve.scalars import SCALARS_FILE
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
 
 __all__ = ["BCDataConfig", "BCConfig", "BCResult", "run_bc", "evaluate_nll", "load_buffer", "prepare_sequences",
@@ -264,7 +265,8 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
         log(f"bc: held-out agent-token NLL before training {eval_before['agent_nll']:.4f} "
             f"(accuracy {eval_before['agent_accuracy']:.3f}, {data.eval_episodes} episodes)")
 
-    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard and dist.is_main else None)
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard and dist.is_main else None,
+                          trainer.output_dir / SCALARS_FILE if dist.is_main else None, start_step)
     if eval_before and start_step == 0:
         writer.scalars(0, {f"eval/{k}": v for k, v in eval_before.items() if k.startswith("agent")})
 

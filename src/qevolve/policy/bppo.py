@@ -43,6 +43,7 @@ from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
 from qevolve.policy.objectives import PAIR_OBJECTIVES, ObjectiveConfig, compute_objective
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
+from qevolve.scalars import SCALARS_FILE
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
 from qevolve.process_rewards.advantages import shift_and_scale
 
@@ -213,7 +214,8 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     if dist.enabled:
         log(f"policy: {dist.kind} over {dist.world_size} processes (this is rank 0)")
 
-    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard and dist.is_main else None)
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard and dist.is_main else None,
+                          trainer.output_dir / SCALARS_FILE if dist.is_main else None, start_step)
     pad_id = policy.tokenizer.pad_token_id or 0
 
     def micro_batch(group: list[int], shift: float = 0.0,

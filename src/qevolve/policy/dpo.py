@@ -43,6 +43,7 @@ from qevolve.policy.forward import target_logprobs
 from qevolve.policy.model import load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder
 from qevolve.policy.trainer import ScalarWriter, Trainer
+from qevolve.scalars import SCALARS_FILE
 from qevolve.progress import progress_bar
 
 __all__ = ["build_preference_pairs", "dpo_loss", "run_dpo"]
@@ -143,7 +144,8 @@ def run_dpo(config, log: Callable[[str], None] = print):
     log(f"policy (dpo, beta {objective.dpo_beta}): {len(pairs)} pairs over {len(used)} episodes of "
         f"{len({episodes[w].task_id for w, _ in pairs})} tasks; {total_steps} steps; model {policy.source}")
 
-    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None)
+    writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None,
+                          trainer.output_dir / SCALARS_FILE, start_step)
     pad_id = policy.tokenizer.pad_token_id or 0
     stats_log: list[dict[str, float]] = []
     model = trainer.model  # policy.model: DPO runs in one process

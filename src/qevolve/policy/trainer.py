@@ -167,23 +167,32 @@ def first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
 
 
 class ScalarWriter:
-    """TensorBoard scalars, or nothing."""
+    """TensorBoard scalars in ``folder`` (or none), and the same values in the ``jsonl`` file (or none):
+    the per-step curves the run report and the run-level loggers read (:mod:`qevolve.scalars`).
+    ``start_step``: the step a resumed training continues from (later lines of the file are dropped)."""
 
-    def __init__(self, folder: Path | None):
+    def __init__(self, folder: Path | None, jsonl: Path | None = None, start_step: int = 0):
+        from qevolve.scalars import ScalarLog
+
         self.writer = None
         if folder is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(folder))
+        self.log = ScalarLog(jsonl, resume_step=start_step) if jsonl is not None else None
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
+        if self.log is not None:
+            self.log.write(step, values)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.log is not None:
+            self.log.close()
 
 
 class Trainer:
