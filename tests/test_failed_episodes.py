@@ -29,6 +29,9 @@ def test_env_play_writes_the_episode_of_a_crashed_worker(tmp_path):
 
 
 def test_rollouts_write_failed_episodes_with_their_reason(tiny_model_dir, tmp_path):
+    import json
+
+    from qevolve.evaluation.metrics import FailedEpisodesError
     from qevolve.policy.model import ModelConfig
     from qevolve.policy.prompts import PromptConfig
     from qevolve.rollouts.agent import AgentConfig
@@ -40,6 +43,13 @@ def test_rollouts_write_failed_episodes_with_their_reason(tiny_model_dir, tmp_pa
                            prompt=PromptConfig(max_prompt_tokens=512, reserve_action_tokens=8),
                            agent=AgentConfig(batch_size=2, num_workers=1, max_new_tokens=4, max_turns=3,
                                              format_error_policy="noop", noop_action="crash"))
+    # By default a run in which every episode failed stops, quoting the first failure, after writing them.
+    with pytest.raises(FailedEpisodesError, match=r"every episode failed .*task 'count-1': worker \d+ died "
+                                                  r"\(exit code 17\)"):
+        run_eval(config, tmp_path / "strict", progress=False)
+    recorded = json.loads((tmp_path / "strict" / "metrics.json").read_text())
+    assert recorded["failed_episodes"] == 2 and recorded["first_failure"]["task"] == "count-1"
+    config.agent.max_failed_share = 1.0  # allowed: the run reports them
     metrics = run_eval(config, tmp_path, progress=False)
     assert metrics["episodes"] == 2 and metrics["failed_episodes"] == 2 and metrics["success_rate"] == 0.0
     episodes = read_episodes(tmp_path / "trajectories")

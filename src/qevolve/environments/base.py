@@ -42,6 +42,11 @@ class Environment(abc.ABC):
     #: the turn format of this environment's demonstrations ("action" or "thought_action"), which
     #: ``prompt.turn_format: auto`` picks
     turn_format: str = "action"
+    #: the retrospective penalties (r_aux) of this environment's turns, used when the critic config's
+    #: ``retrospective.penalties`` has no entry for it: ``{"format_error": ..., "invalid_action": ...,
+    #: "repeat": ...}`` (missing keys take the defaults of
+    #: :class:`qevolve.process_rewards.retrospective.AuxPenalties`); None: the config must have one
+    retrospective_penalties: dict[str, float] | None = None
 
     @abc.abstractmethod
     def tasks(self, split: str) -> list[str]:
@@ -64,7 +69,11 @@ class Environment(abc.ABC):
         raise NotImplementedError(f"{self.name} cannot list admissible actions")
 
     def expert_actions(self) -> list[str]:
-        """An expert action sequence for the current task, when the environment has one."""
+        """An expert action sequence for the current task, when the environment has one.
+
+        Called after :meth:`reset`. An environment that implements it gets expert demonstrations
+        without more code: ``qevolve data expert ENV`` replays it on every task of a split and keeps
+        the won episodes (see :mod:`qevolve.environments.experts`)."""
         raise NotImplementedError(f"{self.name} has no expert for the current task")
 
     def close(self) -> None:
@@ -74,15 +83,32 @@ class Environment(abc.ABC):
 EnvFactory = Callable[..., Environment]
 _REGISTRY: dict[str, EnvFactory] = {}
 
+#: the Python entry-point group through which an installed package names its environments
+ENTRY_POINT_GROUP = "qevolve.environments"
+
+#: what every environment must provide, checked before anything is played (one line names what is missing)
+CONTRACT = ("an environment is built as Factory(split=...) and has tasks(split) -> list of task ids, "
+            "reset(task_id) -> observation and step(action) -> StepResult (subclass "
+            "qevolve.environments.Environment)")
+
+
+class EnvironmentContractError(ValueError):
+    """An environment class or factory does not meet :data:`CONTRACT` (a user error: one line, exit 2)."""
+
 
 def register_environment(name: str, factory: EnvFactory | None = None):
     """Register ``factory`` (a class or callable returning an :class:`Environment`) under ``name``.
 
-    Usable as a decorator. User environments register the same way as the built-in ones; a factory
-    may also be given as ``"package.module:callable"`` to :func:`make_environment`.
+    Usable as a decorator. User environments register the same way as the built-in ones. The CLI, the
+    configs and the worker processes find a user's environment by the spec ``"package.module:name"``:
+    importing ``package.module`` registers ``name`` (or the module defines ``name``, a class or
+    callable). Installed packages can instead declare an entry point in the group
+    :data:`ENTRY_POINT_GROUP`. The factory is checked against :data:`CONTRACT` here, so a wrong
+    constructor fails on import, naming the class, not later inside a worker.
     """
 
     def _register(obj: EnvFactory) -> EnvFactory:
+        check_factory(name, obj)
         _REGISTRY[name] = obj
         return obj
 
@@ -96,22 +122,105 @@ _BUILTIN_MODULES = {
 }
 
 
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def environment_names() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES) | set(_entry_points()))
+
+
+def _describe(factory: Any) -> str:
+    return getattr(factory, "__name__", None) or type(factory).__name__
+
+
+def check_factory(name: str, factory: Any) -> None:
+    """Raise :class:`EnvironmentContractError` (one line naming ``factory``) unless it meets :data:`CONTRACT`.
+
+    Only what can be seen without building an environment: that it is callable, that its signature
+    takes ``split=`` (every worker builds its environment with the split it plays) and, for a class,
+    that it has ``tasks``, ``reset`` and ``step`` and no abstract method left."""
+    import inspect
+
+    what = _describe(factory)
+    if not callable(factory):
+        raise EnvironmentContractError(f"environment {name!r}: {what} is not a class or callable; {CONTRACT}")
+    if inspect.isclass(factory):
+        missing = [m for m in ("tasks", "reset", "step") if not callable(getattr(factory, m, None))]
+        if missing:
+            raise EnvironmentContractError(f"environment {name!r}: {what} has no method {missing[0]}(); {CONTRACT}")
+        if inspect.isabstract(factory):
+            left = sorted(getattr(factory, "__abstractmethods__", ()))
+            raise EnvironmentContractError(f"environment {name!r}: {what} does not implement {', '.join(left)}; "
+                                           f"{CONTRACT}")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no introspectable signature (e.g. a C extension): checked when built
+        return
+    # shown without annotations: they add nothing to what is wrong, and postponed ones print quoted
+    signature = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                  return_annotation=signature.empty)
+    takes_split = any(p.kind is p.VAR_KEYWORD or (p.name == "split" and p.kind in (p.KEYWORD_ONLY,
+                                                                                  p.POSITIONAL_OR_KEYWORD))
+                      for p in signature.parameters.values())
+    if not takes_split:
+        raise EnvironmentContractError(
+            f"environment {name!r}: {what}{signature} does not accept the keyword argument split= (e.g. "
+            f"def __init__(self, split: str = 'train')); {CONTRACT}")
+
+
+def _load_spec(spec: str) -> EnvFactory:
+    """The factory of ``"package.module:name"``: the environment the module's import registers as
+    ``name``, else the module's attribute ``name``."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        # The module itself is not there (a module it imports that is missing keeps its traceback).
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise KeyError(f"environment {spec!r}: cannot import module {module_name!r} ({err}); run from the "
+                           "folder that holds it, put that folder on PYTHONPATH or install its package") from None
+        raise
+    if attr in _REGISTRY:
+        return _REGISTRY[attr]
+    if hasattr(module, attr):
+        factory = getattr(module, attr)
+        check_factory(spec, factory)
+        return factory
+    raise KeyError(f"environment {spec!r}: module {module_name!r} neither registers an environment {attr!r} "
+                   f"(with register_environment) nor defines it; registered: {', '.join(sorted(_REGISTRY))}")
 
 
 def get_factory(name: str) -> EnvFactory:
-    if name not in _REGISTRY and name in _BUILTIN_MODULES:
+    """The factory of environment ``name``: a registered or built-in name, a ``"package.module:name"``
+    spec (see :func:`register_environment`), or the name of an installed entry point."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _BUILTIN_MODULES:
         import importlib
 
         importlib.import_module(_BUILTIN_MODULES[name])  # registers itself on import
-    if name not in _REGISTRY and ":" in name:
-        import importlib
+    elif ":" in name:
+        _REGISTRY[name] = _load_spec(name)
+    else:
+        entry_point = _entry_points().get(name)
+        if entry_point is not None:
+            loaded = entry_point.load()  # a module (whose import registers ``name``) or the factory itself
+            if name not in _REGISTRY:
+                import inspect
 
-        module_name, _, attr = name.partition(":")
-        _REGISTRY[name] = getattr(importlib.import_module(module_name), attr)
+                if inspect.ismodule(loaded):
+                    raise KeyError(f"environment {name!r}: the entry point {entry_point.value!r} (group "
+                                   f"{ENTRY_POINT_GROUP}) registers no environment {name!r}")
+                check_factory(name, loaded)
+                _REGISTRY[name] = loaded
     if name not in _REGISTRY:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(environment_names())}")
+        raise KeyError(f"unknown environment {name!r}; known: {', '.join(environment_names())} (or "
+                       "'package.module:name' for your own)")
     return _REGISTRY[name]
 
 

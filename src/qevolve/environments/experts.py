@@ -82,13 +82,36 @@ def expert_retries(env_name: str) -> Callable[[str], int]:
     return _RETRIES.get(env_name, lambda task_id: 0)
 
 
-def get_expert_source(env_name: str) -> ExpertSourceFn:
-    from qevolve.environments.base import get_factory
+def scripted_expert_source(env_name: str) -> ExpertSourceFn:
+    """The expert source of an environment that implements :meth:`Environment.expert_actions`: every
+    task of the split, played by replaying the environment's own plan for it (labelled ``expert``)."""
 
-    get_factory(env_name)  # imports the environment's module, which registers its expert source
-    if env_name not in _EXPERT_SOURCES:
-        raise KeyError(f"environment {env_name!r} has no expert demonstrations")
-    return _EXPERT_SOURCES[env_name]
+    def source(split: str = "train", limit: int | None = None) -> tuple[list[EpisodeJob], list[tuple[str, str]]]:
+        from qevolve.environments.play import list_tasks
+        from qevolve.environments.policies import WalkthroughPolicy
+
+        return [EpisodeJob(task, WalkthroughPolicy(source="expert"), split=split)
+                for task in list_tasks(env_name, split, limit)], []
+
+    return source
+
+
+def get_expert_source(env_name: str) -> ExpertSourceFn:
+    """The registered expert source of ``env_name``; for an environment without one whose class
+    implements ``expert_actions``, :func:`scripted_expert_source`."""
+    import inspect
+
+    from qevolve.environments.base import Environment, get_factory
+
+    factory = get_factory(env_name)  # imports the environment's module, which registers its expert source
+    if env_name in _EXPERT_SOURCES:
+        return _EXPERT_SOURCES[env_name]
+    if inspect.isclass(factory) and getattr(factory, "expert_actions", None) not in (None, Environment.expert_actions):
+        return scripted_expert_source(env_name)
+    raise KeyError(f"environment {env_name!r} has no expert demonstrations: implement expert_actions() on its "
+                   "class (a scripted expert), or register a source with "
+                   "qevolve.environments.experts.register_expert_source, or give behaviour cloning a "
+                   "trajectory file of your own (bc.data.train_path)")
 
 
 @dataclass

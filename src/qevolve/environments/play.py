@@ -8,18 +8,25 @@ from typing import Any, Callable
 
 
 from qevolve.buffer.store import Episode
-from qevolve.environments.base import get_factory, make_environment
+from qevolve.environments.base import EnvironmentContractError, get_factory, make_environment
 from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy, JobOrder
 from qevolve.environments.policies import RandomPolicy, WalkthroughPolicy
 from qevolve.progress import progress_bar
 
 
 def list_tasks(env_name: str, split: str, limit: int | None = None, **env_kwargs: Any) -> list[str]:
-    env = make_environment(env_name, **env_kwargs)
+    """The task ids of ``split``, from an environment built as the workers build theirs (``split=``)."""
+    env = make_environment(env_name, **{"split": split, **env_kwargs})
     try:
         tasks = env.tasks(split)
     finally:
         env.close()
+    if not isinstance(tasks, (list, tuple)) or not all(isinstance(task, str) for task in tasks):
+        shown = type(tasks).__name__ if not isinstance(tasks, (list, tuple)) else \
+            f"a list holding a {type(next(t for t in tasks if not isinstance(t, str))).__name__}"
+        raise EnvironmentContractError(f"environment {env_name!r}: {type(env).__qualname__}.tasks({split!r}) "
+                                       f"returned {shown}; expected a list of task id strings")
+    tasks = list(tasks)
     return tasks[:limit] if limit is not None else tasks
 
 

@@ -31,3 +31,32 @@ def episode_metrics(episodes: Iterable[Episode], failed: int = 0) -> dict[str, A
         "env_steps": sum(t.info.get("env_stepped", True) for t in turns),
         "tokens_generated": sum(len(t.action_ids or ()) for t in turns if t.action_logprobs is not None),
     }
+
+
+class FailedEpisodesError(RuntimeError):
+    """Too many episodes of a rollout or evaluation failed: the environment, not the policy, is broken
+    (a user error: the CLI prints it on one line and exits 2; a stage of ``qevolve evolve`` that raises
+    it is not recorded as done)."""
+
+
+def first_failure(episodes: Iterable[Episode]) -> tuple[str, str] | None:
+    """(task id, first line of the reason) of the first failed episode, or None."""
+    for ep in episodes:
+        if ep.failed:
+            lines = (ep.failure_reason or "").strip().splitlines()
+            return ep.task_id, lines[0] if lines else "failed"
+    return None
+
+
+def check_failed_share(episodes: list[Episode], max_share: float, where: str,
+                       setting: str = "agent.max_failed_share") -> None:
+    """Raise :class:`FailedEpisodesError` when more than ``max_share`` of ``episodes`` failed, quoting
+    the first failure (its task and exception): a score computed mostly from lost episodes measures
+    the environment, and the user must see why, not a success rate of 0."""
+    failed = sum(ep.failed for ep in episodes)
+    if not episodes or failed / len(episodes) <= max_share:
+        return
+    task, reason = first_failure(episodes)  # type: ignore[misc]
+    share = "every episode" if failed == len(episodes) else f"{failed} of {len(episodes)} episodes"
+    raise FailedEpisodesError(f"{where}: {share} failed (allowed: {setting}={max_share:g}); first failure, "
+                              f"task {task!r}: {reason}")

@@ -40,6 +40,7 @@ from qevolve.buffer.store import Episode, read_episodes, sorted_episodes, write_
 from qevolve.config import StageConfig
 from qevolve.critic.config import CriticConfig
 from qevolve.environments.experts import filter_task_types
+from qevolve.evaluation.metrics import FailedEpisodesError
 from qevolve.evolve.run_dir import RunDirectory, run_environment
 from qevolve.policy.bc import BCConfig, BCDataConfig
 from qevolve.policy.bppo import PolicyStageConfig
@@ -291,11 +292,13 @@ def validate_inputs(config: EvolveConfig) -> None:
             raise ValueError(f"{field} {split!r}: {err}") from None
         if not tasks:
             raise ValueError(f"{field} {split!r}: environment {config.env!r} has no tasks in this split")
-    if config.iterations and config.critic.retrospective.enabled and \
-            config.env not in config.critic.retrospective.penalties:
-        raise ValueError(f"critic.retrospective.penalties: no entry for environment {config.env!r} (have "
-                         f"{sorted(config.critic.retrospective.penalties)}); add one or set "
-                         "critic.retrospective.enabled=false")
+    if config.iterations and config.critic.retrospective.enabled:
+        from qevolve.process_rewards.retrospective import penalties_for
+
+        try:
+            penalties_for(config.env, config.critic.retrospective)
+        except ValueError as err:
+            raise ValueError(f"{err} or set critic.retrospective.enabled=false") from None
     for field, path, hub in (("init_checkpoint", config.init_checkpoint, config.model.hub),
                              ("critic.init", config.critic.init, False),
                              ("model.name_or_path", config.model.name_or_path, config.model.hub)):
@@ -452,6 +455,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                         "with the asked count")
             try:
                 outputs, metrics = fn(workdir)
+            except FailedEpisodesError as err:  # name the stage; it is not recorded, so a fixed rerun redoes it
+                raise FailedEpisodesError(f"stage {name}: {err}") from None
             finally:
                 # A stage's models, optimizer and activations are garbage once it returns, but glibc keeps
                 # the freed heap resident: without this the BC stage's ~8 GB (full fine-tuning, 4,096-token

@@ -18,7 +18,7 @@ from pydantic import Field
 from qevolve.buffer.store import Episode
 from qevolve.config import StageConfig
 
-__all__ = ["AuxPenalties", "RetrospectiveConfig", "aux_rewards", "label_retrospective"]
+__all__ = ["AuxPenalties", "RetrospectiveConfig", "aux_rewards", "label_retrospective", "penalties_for"]
 
 
 class AuxPenalties(StageConfig):
@@ -41,21 +41,54 @@ class RetrospectiveConfig(StageConfig):
     enabled: bool = Field(True, description="false: r_aux = 0 on every turn (the 'without RR' ablation)")
     penalties: dict[str, AuxPenalties] = Field(
         default_factory=_default_penalties,
-        description="per-environment penalties, keyed by Episode.env (alfworld, sciworld, webshop, ...)")
+        description="per-environment penalties, keyed by Episode.env (alfworld, sciworld, webshop, ...); an "
+        "environment without an entry uses those its class declares (Environment.retrospective_penalties)")
 
 
-def _penalties_for(env: str, config: RetrospectiveConfig) -> AuxPenalties:
-    if env not in config.penalties:
-        raise ValueError(f"retrospective.penalties: no entry for environment {env!r} "
-                         f"(have {sorted(config.penalties)}); add one to the config")
-    return config.penalties[env]
+def penalties_for(env: str, config: RetrospectiveConfig) -> AuxPenalties:
+    """The penalties of environment ``env``: the config's entry for it, else those its class declares
+    (``Environment.retrospective_penalties``); neither is a one-line error."""
+    if env in config.penalties:
+        return config.penalties[env]
+    declared = _declared_penalties(env)
+    if declared is None:
+        raise ValueError(f"critic.retrospective.penalties: no entry for environment {env!r} (have "
+                         f"{sorted(config.penalties)}) and its class declares no retrospective_penalties; add one")
+    return declared
+
+
+_DECLARED: dict[str, AuxPenalties | None] = {}
+
+
+def _declared_penalties(env: str) -> AuxPenalties | None:
+    # Looked up once per environment name: labelling asks for every episode.
+    if env not in _DECLARED:
+        from pydantic import ValidationError
+
+        from qevolve.environments.base import get_factory
+
+        try:
+            declared = getattr(get_factory(env), "retrospective_penalties", None)
+        except KeyError:  # an environment this process cannot import has declared nothing it can see
+            declared = None
+        if declared is not None and not isinstance(declared, AuxPenalties):
+            try:
+                declared = AuxPenalties.model_validate(dict(declared))
+            except (TypeError, ValueError, ValidationError) as err:
+                first = err.errors()[0] if isinstance(err, ValidationError) else {"loc": (), "msg": str(err)}
+                where = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"environment {env!r}: retrospective_penalties{'.' + where if where else ''}: "
+                                 f"{first['msg']}; expected a dict of format_error, invalid_action and repeat "
+                                 "(numbers)") from None
+        _DECLARED[env] = declared
+    return _DECLARED[env]
 
 
 def aux_rewards(episode: Episode, config: RetrospectiveConfig) -> list[float]:
     """``r_aux`` of every turn of ``episode``: one rule on (turn flags, o_t, o_{t+1})."""
     if not config.enabled:
         return [0.0] * episode.num_turns
-    penalties = _penalties_for(episode.env, config)
+    penalties = penalties_for(episode.env, config)
     labels = []
     for t, turn in enumerate(episode.turns):
         if not turn.format_valid:

@@ -63,6 +63,10 @@ class AgentConfig(StageConfig):
     step_timeout: float = Field(120.0, gt=0, description="seconds an environment step may take before its worker "
                                 "is replaced (the episode then counts as failed)")
     max_turns: int | None = Field(None, ge=1, description="cap on turns per episode (null: the environment's own)")
+    max_failed_share: float = Field(0.5, ge=0.0, le=1.0, description="the rollout or evaluation stops with an "
+                                    "error quoting the first failure when more than this share of its episodes "
+                                    "failed (environment exception, worker crash or timeout), instead of "
+                                    "reporting their score; 1.0: never stop")
     pool: PoolConfig = Field(default_factory=PoolConfig, description="where the environments run (worker "
                              "processes or Ray actors)")
 

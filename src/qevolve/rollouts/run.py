@@ -20,7 +20,7 @@ from qevolve.config import StageConfig
 from qevolve.environments.experts import filter_task_types
 from qevolve.environments.play import list_tasks
 from qevolve.environments.pool import JobOrder
-from qevolve.evaluation.metrics import episode_metrics
+from qevolve.evaluation.metrics import check_failed_share, episode_metrics, first_failure
 from qevolve.evolve.run_dir import package_versions, write_json_atomic
 from qevolve.policy.model import ModelConfig, load_policy
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
@@ -104,8 +104,11 @@ def build_backend(config: RolloutConfig, policy: Any, tokenizer: Any, stop_ids: 
 
 
 def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, policy=None,
-                 task_ids: list[str] | None = None) -> dict[str, Any]:
+                 task_ids: list[str] | None = None, check_failures: bool = True) -> dict[str, Any]:
     """Act on the configured split; write shards into ``output`` (resumable). Returns metrics.
+
+    Raises :class:`~qevolve.evaluation.metrics.FailedEpisodesError` (after writing the shards) when
+    more than ``agent.max_failed_share`` of the episodes failed, unless ``check_failures`` is false.
 
     ``task_ids`` replaces the split's task selection (task_types, task_stride, limit) by these tasks,
     which must belong to the split.
@@ -186,12 +189,17 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         if result.generation_seconds else 0.0,
         "failed": [list(f) for f in result.failed], "generation_backend": backend_name,
     })
+    failure = first_failure(episodes)
+    if failure is not None:
+        metrics["first_failure"] = {"task": failure[0], "reason": failure[1]}
+    if check_failures:
+        check_failed_share(episodes, config.agent.max_failed_share, f"{config.env} {config.split}")
     return metrics
 
 
 def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=None) -> dict[str, Any]:
     """Rollouts on an evaluation split plus ``metrics.json`` with the protocol recorded beside it."""
-    metrics = run_rollouts(config, output / "trajectories", progress, policy)
+    metrics = run_rollouts(config, output / "trajectories", progress, policy, check_failures=False)
     metrics["protocol"] = {"env": config.env, "split": config.split, "task_types": config.task_types,
                            "limit": config.limit,
                            "task_stride": config.task_stride, "max_turns": config.agent.max_turns,
@@ -205,4 +213,8 @@ def run_eval(config: RolloutConfig, output: Path, progress: bool = True, policy=
     metrics["versions"] = package_versions()
     metrics["date"] = time.strftime("%Y-%m-%d")
     write_json_atomic(output / "metrics.json", metrics)
+    # Checked after metrics.json is written, so the failures can be read there and in the trajectories.
+    trajectories = output / "trajectories"
+    check_failed_share(read_episodes(trajectories) if shard_paths(trajectories) else [],
+                       config.agent.max_failed_share, f"{config.env} {config.split}")
     return metrics
