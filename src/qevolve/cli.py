@@ -40,9 +40,10 @@ app.add_typer(data_app, name="data")
 @app.callback()
 def _options(verbose: bool = typer.Option(False, "--verbose", help="also show third-party libraries' log lines, "
                                           "deprecation warnings and loading bars (hidden by default)")) -> None:
-    from qevolve.progress import quiet_logs
+    from qevolve.progress import quiet_logs, quiet_third_party
 
     quiet_logs(show_all=verbose)  # before any sub-command loads torch, transformers or vLLM
+    quiet_third_party()  # library bars only on a terminal; no transformers FutureWarning noise
 app.add_typer(env_app, name="env")
 
 USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FailedEpisodesError, FileNotFoundError, KeyError,
@@ -617,9 +618,6 @@ def evolve(
 
 
 def main() -> None:
-    from qevolve.progress import quiet_third_party
-
-    quiet_third_party()  # library bars only on a terminal; no transformers FutureWarning noise
     # Environments given as "module:name" are imported from the current folder too, as `python -m` would
     # (the `qevolve` script's sys.path holds only its own folder); appended, so it shadows no installed
     # package. Environment worker processes start with this sys.path.
