@@ -6,7 +6,6 @@ everything else is a bug and shows its traceback.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 # OpenMP threads that spin-wait between parallel regions collapse generation when another process
@@ -440,10 +439,10 @@ def label_command(
         return load_config(LabelConfig, config, list(overrides or []))
 
     show_config("label", LabelConfig, show, defaults, build)
-    for option, value in (("--buffer", buffer), ("--critic", critic)):
-        if value is None:
-            fail(f"{option}: required (" + ("the trajectory store to label)" if option == "--buffer" else
-                                            "a trained critic's run folder)"))
+    if buffer is None:
+        fail("--buffer: required (the trajectory store to label)")
+    if critic is None:
+        fail("--critic: required (a trained critic's run folder)")
     assert buffer is not None and critic is not None
     cfg = build()
     model = load_critic(critic, device=cfg.device)
