@@ -42,3 +42,93 @@ def test_describe_lists_nested_fields():
     rows = {name: (kind, default, doc) for name, kind, default, doc in describe_config(Demo)}
     assert rows["optim.lr"] == ("float", "0.0001", "learning rate")
     assert rows["epochs"][2] == "passes over the data"
+
+
+def test_unknown_fields_suggest_the_closest_names(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr_: 0.1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: unknown field 'optim.lr_' \(did you mean 'optim.lr'\?\)"):
+        load_config(Demo, path)
+    with pytest.raises(ConfigError, match=r"override 'epoch=3': unknown field 'epoch' \(did you mean 'epochs'\?\)"):
+        load_config(Demo, None, ["epoch=3"])
+    with pytest.raises(ConfigError, match=r"unknown field 'zzz'$"):  # nothing close: no guess
+        load_config(Demo, None, ["zzz=3"])
+
+
+def test_evolve_sections_suggest_through_variants():
+    from qevolve.evolve.loop import EvolveConfig
+
+    with pytest.raises(ConfigError, match=r"unknown field 'eval.agent.max_new_token' \(did you mean "
+                                          r"'eval.agent.max_new_tokens'\?\)"):
+        load_config(EvolveConfig, None, ["eval.agent.max_new_token=3"])
+    with pytest.raises(ConfigError, match=r"unknown field 'variants.a.critc' \(did you mean 'variants.a.critic'"):
+        load_config(EvolveConfig, None, ["variants.a.critc={}"])
+
+
+def test_fields_the_loop_decides_are_refused_naming_what_decides_them(tmp_path):
+    from qevolve.evolve.loop import EvolveConfig
+
+    path = tmp_path / "x.yaml"
+    path.write_text("bc:\n  model:\n    lora: {enabled: true}\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(EvolveConfig, path)
+    assert str(err.value) == (f"{path}: bc.model.lora.enabled is decided by model.lora.enabled (the loop sets "
+                              "bc.model from model); set model.lora.enabled instead")
+    with pytest.raises(ConfigError, match=r"^override 'policy.seed=3': policy.seed is decided by seed \("):
+        load_config(EvolveConfig, None, ["policy.seed=3"])
+    with pytest.raises(ConfigError, match=r"^override 'rft.data.train_path=b': rft.data.train_path is not a "
+                                          r"setting \(RFT trains on iteration 1's buffer\); remove it$"):
+        load_config(EvolveConfig, None, ["rft.data.train_path=b"])
+    with pytest.raises(ConfigError, match=r"policy.model.name_or_path is not a setting"):
+        load_config(EvolveConfig, None, ["policy.model.name_or_path=x"])
+    with pytest.raises(ConfigError, match=r"variants.awr.policy.prompt.max_prompt_tokens is decided by "
+                                          r"prompt.max_prompt_tokens"):
+        load_config(EvolveConfig, None, ["variants.awr.policy.prompt.max_prompt_tokens=5"])
+    for item in ("eval.agent.seed=1", "bc.data.env=webshop", "eto.reference=x", "critic.seed=1"):
+        with pytest.raises(ConfigError, match="decided by|not a setting"):
+            load_config(EvolveConfig, None, [item])
+    # the fields of the same sections that the loop reads as given stay settable
+    config = load_config(EvolveConfig, None, [
+        "bc.data.train_path=t.parquet", "bc.data.num_demonstrations=5", "bc.data.seed=3", "rft.epochs=2",
+        "rft.data.include_failed=true", "critic.init=c", "eval.agent.max_new_tokens=96", "policy.epochs=2",
+        "variants.awr.policy.objective.name=awr", "model.lora.enabled=false"])
+    assert (config.bc.data.num_demonstrations, config.rft.epochs, config.critic.init) == (5, 2.0, "c")
+
+
+def test_shipped_configs_render_within_100_columns_and_load_back():
+    from pathlib import Path
+
+    import yaml
+
+    from qevolve.config import render_config
+    from qevolve.evolve.loop import EvolveConfig
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = [f for f in sorted(root.glob("**/*.yaml")) if f.parent.name in ("configs", "cpu", "gpu", "ablations")
+             and f.stem not in ("bc", "critic", "label")]
+    assert len(files) == 17
+    for path in files:
+        config = load_config(EvolveConfig, path)
+        text = render_config(EvolveConfig, config, ["a header that is long enough to need wrapping " * 4])
+        assert max(len(line) for line in text.splitlines()) <= 100, path
+        assert EvolveConfig.model_validate(yaml.safe_load(text)) == config, path
+    assert max(len(line) for line in render_config(EvolveConfig, None).splitlines()) <= 100
+
+
+def test_a_manifest_records_no_field_the_loop_decides_and_old_ones_still_resume(tmp_path):
+    """A full fine-tuning run does not record bc.model.lora.enabled: true (the loop trains with model's)."""
+    from qevolve.evolve.loop import EvolveConfig, recorded_config, upgrade_recorded
+    from qevolve.evolve.run_dir import RunDirectory, RunError
+
+    config = load_config(EvolveConfig, None, ["model.lora.enabled=false"])
+    assert config.bc.model.lora.enabled is True  # the unused section default
+    recorded = recorded_config(config)
+    assert "model" not in recorded["bc"] and "env" not in recorded["bc"]["data"] and "seed" not in recorded["policy"]
+    assert recorded["model"]["lora"]["enabled"] is False and "num_demonstrations" in recorded["bc"]["data"]
+    assert "seed" not in recorded["eval"]["agent"] and "max_new_tokens" in recorded["eval"]["agent"]
+    # a run written before: its manifest holds every field; it resumes with today's config
+    RunDirectory(tmp_path / "old", config.model_dump(mode="json"), seed=0).close()
+    RunDirectory(tmp_path / "old", recorded, seed=0, resume=True, upgrade=upgrade_recorded).close()
+    changed = recorded_config(load_config(EvolveConfig, None, ["model.lora.enabled=true"]))
+    with pytest.raises(RunError, match="model.lora.enabled=false, this config has model.lora.enabled=true"):
+        RunDirectory(tmp_path / "old", changed, seed=0, resume=True, upgrade=upgrade_recorded)

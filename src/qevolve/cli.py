@@ -6,7 +6,6 @@ everything else is a bug and shows its traceback.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 # OpenMP threads that spin-wait between parallel regions collapse generation when another process
@@ -35,15 +34,6 @@ data_app = typer.Typer(help="Install data, build expert demonstrations, inspect 
                        no_args_is_help=True)
 env_app = typer.Typer(help="Play environments with scripted policies.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
-
-
-@app.callback()
-def _options(verbose: bool = typer.Option(False, "--verbose", help="also show third-party libraries' log lines, "
-                                          "deprecation warnings and loading bars (hidden by default)")) -> None:
-    from qevolve.progress import quiet_logs, quiet_third_party
-
-    quiet_logs(show_all=verbose)  # before any sub-command loads torch, transformers or vLLM
-    quiet_third_party()  # library bars only on a terminal; no transformers FutureWarning noise
 app.add_typer(env_app, name="env")
 
 USER_ERRORS = (ConfigError, DataInstallError, StoreError, RunError, FailedEpisodesError, FileNotFoundError, KeyError,
@@ -88,23 +78,64 @@ def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
         typer.echo("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |")
 
 
-def show_config_option(config_class: str) -> Any:
-    """``--show-config``: print every field of ``module:Class`` with its default and exit (before any
-    other option is checked, so it works without the sub-command's required options)."""
+def show_config_option() -> Any:
+    """``--show-config``: print the config the command would run and exit (see :func:`show_config`)."""
+    return typer.Option(False, "--show-config", help="print the config this command would run (the --config "
+                        "file and KEY=VALUE overrides applied), every field with its description, and exit")
 
-    def show(ctx: typer.Context, value: bool) -> None:
-        if not value or ctx.resilient_parsing:
-            return
-        from qevolve.config import describe_config
 
-        module, _, name = config_class.partition(":")
-        cls = getattr(importlib.import_module(module), name)
-        print_table([{"field": n, "type": t, "default": d, "description": d_}
-                     for n, t, d, d_ in describe_config(cls)])
+def defaults_option() -> Any:
+    return typer.Option(False, "--defaults", help="with --show-config: print the defaults instead")
+
+
+def show_config(command: str, cls: Any, show: bool, defaults: bool, build: Callable[[], Any],
+                notes: list[str] | None = None) -> None:
+    """``--show-config`` (and ``--defaults``): print ``build()`` (the effective config; with ``--defaults``
+    those of ``cls``) as commented YAML and exit; nothing when neither flag is given. Runs before the
+    command checks its own required options, so it works without them."""
+    if not (show or defaults):
+        return
+    from qevolve.config import render_config
+
+    if defaults:
+        text = render_config(cls, None, [f"qevolve {command}: the defaults; a field's description is the comment "
+                                         "above it"])
+    else:
+        text = render_config(cls, build(), [f"qevolve {command}: the config that runs (the --config file and "
+                                            "overrides applied; a field set away from its default shows the "
+                                            "default); --defaults shows the defaults", *(notes or [])])
+    typer.echo(text)
+    raise typer.Exit()
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"qevolve {package_version()}")
         raise typer.Exit()
 
-    return typer.Option(False, "--show-config", is_eager=True, callback=show,
-                        help="print every config field with its default and description, and exit")
+
+def package_version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib import metadata
+
+    import qevolve
+
+    try:
+        return metadata.version("qevolve")
+    except metadata.PackageNotFoundError:
+        return qevolve.__version__
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                      help="print the version of qevolve and exit"),
+         verbose: bool = typer.Option(False, "--verbose", help="also show third-party libraries' log lines, "
+                                      "deprecation warnings and loading bars (hidden by default)")) -> None:
+    """Q-Evolve: self-evolving LLM agents with in-distribution optimisation."""
+    from qevolve.progress import quiet_logs, quiet_third_party
+
+    quiet_logs(show_all=verbose)  # before any sub-command loads torch, transformers or vLLM
+    quiet_third_party()  # library bars only on a terminal; no transformers FutureWarning noise
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -378,7 +409,8 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
 
 @app.command("critic")
 def critic_command(
-    buffer: Path = typer.Option(..., "--buffer", help="trajectory store (Parquet file or sharded folder)"),
+    buffer: Optional[Path] = typer.Option(None, "--buffer", help="trajectory store (Parquet file or sharded "
+                                          "folder; required)"),
     init: Optional[str] = typer.Option(None, "--init", help="backbone model folder (BC checkpoint or base model; "
                                        "default: the config's init, else DATA_DIR/models/SmolLM2-135M-Instruct)"),
     output: Path = typer.Option(Path("runs/critic"), help="run folder (critic.pt, metrics.jsonl, resumable state)"),
@@ -386,7 +418,8 @@ def critic_command(
     restart: bool = typer.Option(False, help="ignore a resumable state in the output folder"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
     overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE config overrides, e.g. epochs=5"),
-    show_config: bool = show_config_option("qevolve.critic.config:CriticConfig"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
     """Train the weighted-IQL critic on a buffer (resumes an interrupted run in the same output folder)."""
     from qevolve.buffer.store import read_episodes
@@ -395,7 +428,13 @@ def critic_command(
     from qevolve.critic.data import ensure_tokenized
     from qevolve.critic.train import init_path_of, train_critic
 
-    cfg = load_config(CriticConfig, config, list(overrides or []) + ([f"init={init}"] if init else []))
+    def build() -> CriticConfig:
+        return load_config(CriticConfig, config, list(overrides or []) + ([f"init={init}"] if init else []))
+
+    show_config("critic", CriticConfig, show, defaults, build)
+    if buffer is None:
+        fail("--buffer: required (the trajectory store to train on)")
+    cfg = build()
     episodes = ensure_tokenized(read_episodes(buffer), init_path_of(cfg), source=str(buffer))
     typer.echo(f"critic: {len(episodes)} episodes from {buffer}, backbone {cfg.backbone} ({init_path_of(cfg)}) "
                f"-> {output}")
@@ -407,13 +446,16 @@ def critic_command(
 
 @app.command("label")
 def label_command(
-    buffer: Path = typer.Option(..., "--buffer", help="trajectory store (Parquet file or sharded folder)"),
-    critic: Path = typer.Option(..., "--critic", help="a trained critic's run folder (or its critic.pt)"),
+    buffer: Optional[Path] = typer.Option(None, "--buffer", help="trajectory store (Parquet file or sharded "
+                                          "folder; required)"),
+    critic: Optional[Path] = typer.Option(None, "--critic", help="a trained critic's run folder (or its "
+                                          "critic.pt; required)"),
     output: Optional[Path] = typer.Option(None, help="labelled Parquet file (default: BUFFER.labelled.parquet)"),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML config (defaults: configs/label.yaml)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
     overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE config overrides, e.g. estimator=td1"),
-    show_config: bool = show_config_option("qevolve.process_rewards.label:LabelConfig"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
     """Write r_aux, V, Q and the process reward (advantage) on every turn of a buffer."""
     from qevolve.buffer.store import read_episodes, read_metadata, write_episodes
@@ -422,7 +464,16 @@ def label_command(
     from qevolve.critic.train import load_critic
     from qevolve.process_rewards.label import LabelConfig, label_episodes
 
-    cfg = load_config(LabelConfig, config, list(overrides or []))
+    def build() -> LabelConfig:
+        return load_config(LabelConfig, config, list(overrides or []))
+
+    show_config("label", LabelConfig, show, defaults, build)
+    if buffer is None:
+        fail("--buffer: required (the trajectory store to label)")
+    if critic is None:
+        fail("--critic: required (a trained critic's run folder)")
+    assert buffer is not None and critic is not None
+    cfg = build()
     model = load_critic(critic, device=cfg.device)
     episodes = ensure_tokenized(read_episodes(buffer), model.init_path, source=str(buffer))
     labelled, summary = label_episodes(episodes, model, cfg, progress=progress)
@@ -467,12 +518,14 @@ def model_tiny(
 def bc(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. max_steps=20"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/bc.yaml)"),
-    show_config: bool = show_config_option("qevolve.policy.bc:BCConfig"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
     """Behaviour cloning: fine-tune the policy on the agent turns of a trajectory buffer (resumable)."""
     from qevolve.config import dump_config, load_config
     from qevolve.policy.bc import BCConfig, run_bc
 
+    show_config("bc", BCConfig, show, defaults, lambda: load_config(BCConfig, config, overrides or []))
     cfg = load_config(BCConfig, config, overrides or [])
     typer.echo(dump_config(cfg).rstrip())
     result = run_bc(cfg, log=typer.echo)
@@ -493,7 +546,8 @@ def policy_command(
     init: Optional[str] = typer.Option(None, "--init", help="the policy that starts the phase (a checkpoint folder)"),
     reference: Optional[str] = typer.Option(None, help="the BC policy of the KL term (default: --init)"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML PolicyStageConfig"),
-    show_config: bool = show_config_option("qevolve.policy.bppo:PolicyStageConfig"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
     """Behaviour-proximal PPO (or AWR) on a labelled buffer; writes OUTPUT_DIR/final (resumable)."""
     from qevolve.config import load_config
@@ -503,6 +557,7 @@ def policy_command(
     for key, value in (("buffer_path", buffer), ("model.name_or_path", init), ("reference", reference)):
         if value is not None:
             extra.append(f"{key}={value}")
+    show_config("policy", PolicyStageConfig, show, defaults, lambda: load_config(PolicyStageConfig, config, extra))
     cfg = load_config(PolicyStageConfig, config, extra)
     result = run_policy_update(cfg, log=typer.echo)
     print_table([result.summary()])
@@ -552,12 +607,17 @@ def rollout(
     tasks: Optional[int] = typer.Option(None, "--tasks", help="only the first K tasks"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
     output: Optional[Path] = typer.Option(None, help="trajectory folder (default: runs/rollouts/ENV-SPLIT)"),
-    show_config: bool = show_config_option("qevolve.rollouts.run:RolloutConfig"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
     """Act with a policy checkpoint on a split; write the self trajectories (resumable shards)."""
-    from qevolve.rollouts.run import run_rollouts
+    from qevolve.rollouts.run import RolloutConfig, run_rollouts
 
-    cfg = _rollout_config(config, overrides or [], checkpoint, split, env, tasks, episodes_per_task)
+    def build():
+        return _rollout_config(config, overrides or [], checkpoint, split, env, tasks, episodes_per_task)
+
+    show_config("rollout", RolloutConfig, show, defaults, build)
+    cfg = build()
     output = output or Path("runs/rollouts") / f"{cfg.env}-{cfg.split}"
     with _kept_failures(output):
         metrics = run_rollouts(cfg, output)
@@ -567,29 +627,101 @@ def rollout(
     _echo_first_failure(metrics)
 
 
+def _eval_configs(config: Optional[Path], overrides: list[str], checkpoint: Optional[str], split: Optional[str],
+                  env: Optional[str], limit: Optional[int]) -> tuple[list[Any], list[str]]:
+    """The evaluations ``qevolve eval`` runs (one RolloutConfig per split) and lines saying where their
+    settings come from. A policy saved by ``qevolve evolve`` records the run's evaluation (see
+    :func:`qevolve.evolve.loop.evaluation_settings`): its environment, splits, tasks, prompt, model and
+    agent settings and each split's seed are the starting point, under the --config file, overrides and
+    options. A policy saved by ``qevolve bc``/``policy`` records its environment and prompt. Without
+    --checkpoint (or model.name_or_path in the config or overrides) there is no policy: an empty list."""
+    from qevolve.config import apply_overrides, load_config, merge_trees, read_yaml
+    from qevolve.policy.model import POLICY_INFO, read_policy_info
+    from qevolve.rollouts.run import RolloutConfig
+
+    given = apply_overrides(read_yaml(config) if config is not None else {}, overrides)
+    policy = checkpoint or (given.get("model") or {}).get("name_or_path")
+    if policy is None:
+        return [], []
+    folder = Path(str(policy)).expanduser()
+    info = read_policy_info(folder) if str(policy) != "default" and folder.is_dir() else {}
+    evaluation, settings = info.get("evaluation"), info.get("settings")
+    base: dict[str, Any] = {"source": "eval"}  # the trajectories' label, as in the loop's evaluation stages
+    splits: list[Optional[str]] = [None]
+    seeds: dict[str, int] = {}
+    notes = []
+    if isinstance(evaluation, dict):
+        base = merge_trees(base, evaluation["rollout"])
+        splits, seeds = list(evaluation["splits"]), dict(evaluation["agent_seeds"])
+        notes.append(f"as run {evaluation.get('run')!r} evaluated this policy ({', '.join(evaluation['stages'])}; "
+                     f"from {folder / POLICY_INFO})")
+    elif isinstance(settings, dict):
+        base = merge_trees(base, {"env": settings["env"], "prompt": settings["prompt"]})
+        notes.append(f"environment and prompt as the policy was trained with (from {folder / POLICY_INFO})")
+    if split is not None or "split" in given:
+        splits = [split or str(given["split"])]
+    extra = list(overrides)
+    for key, value in (("model.name_or_path", checkpoint), ("env", env), ("limit", limit)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    configs = []
+    for name in splits:
+        tree = merge_trees(base, {"agent": {"seed": seeds[name]}}) if name in seeds else dict(base)
+        configs.append(load_config(RolloutConfig, config, extra + ([f"split={name}"] if name else []), base=tree,
+                                   base_source=str(folder / POLICY_INFO)))
+    return configs, notes
+
+
 @app.command("eval")
 def evaluate(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. agent.max_new_tokens=32"),
-    checkpoint: Optional[str] = typer.Option(None, help="policy checkpoint folder ('default': the base model)"),
-    split: Optional[str] = typer.Option(None, help="evaluation split (seen, unseen, test, ...)"),
-    env: Optional[str] = typer.Option(None, help="environment (default: alfworld)"),
+    checkpoint: Optional[str] = typer.Option(None, help="the saved policy folder to evaluate (e.g. runs/NAME/iter_1/"
+                                             "policy/final); 'default': the base model"),
+    split: Optional[str] = typer.Option(None, help="evaluation split (seen, unseen, test, ...; default: the run's "
+                                        "evaluation splits for a policy of `qevolve evolve`, else train)"),
+    env: Optional[str] = typer.Option(None, help="environment (default: the policy's, else alfworld)"),
     limit: Optional[int] = typer.Option(None, help="only the first N tasks (quick runs)"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
-    output: Optional[Path] = typer.Option(None, help="output folder (default: runs/eval/ENV-SPLIT)"),
-    show_config: bool = show_config_option("qevolve.rollouts.run:RolloutConfig"),
+    output: Optional[Path] = typer.Option(None, help="output folder (default: runs/eval/ENV-SPLIT; with several "
+                                          "splits, OUTPUT/eval_SPLIT for each)"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
-    """Evaluate a policy checkpoint: trajectories, metrics.json and a table."""
-    from qevolve.rollouts.run import run_eval
+    """Evaluate a saved policy: trajectories, metrics.json and a table. A policy of `qevolve evolve` is
+    evaluated as its run evaluated it (environment, splits, tasks, prompt, model and agent settings);
+    options, --config and overrides change what they name."""
+    from qevolve.rollouts.run import RolloutConfig, run_eval
 
-    cfg = _rollout_config(config, overrides or [], checkpoint, split, env, limit, None)
-    output = output or Path("runs/eval") / f"{cfg.env}-{cfg.split}"
-    with _kept_failures(output):
-        metrics = run_eval(cfg, output)
-    print_table([{k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate", "mean_reward",
-                                          "mean_turns", "format_error_rate", "invalid_action_rate", "env_steps",
-                                          "wall_seconds", "tokens_generated")}])
-    typer.echo(f"wrote {output / 'metrics.json'}")
-    _echo_first_failure(metrics)
+    configs, notes = ([], []) if defaults else \
+        _eval_configs(config, overrides or [], checkpoint, split, env, limit)
+    if not configs and not defaults:
+        if show:  # still show what would run, with the policy missing
+            configs = [_rollout_config(config, overrides or [], checkpoint, split, env, limit, None)]
+            notes = ["no --checkpoint: `qevolve eval` refuses to run without one"]
+        else:
+            fail("no policy to evaluate: pass --checkpoint FOLDER (a saved policy, e.g. runs/NAME/iter_1/policy/"
+                 "final), or --checkpoint default for the base model")
+    if len(configs) > 1:
+        notes.append(f"one evaluation per split ({', '.join(c.split for c in configs)}); shown: the first")
+    show_config("eval", RolloutConfig, show, defaults, lambda: configs[0], notes)
+    for note in notes:
+        typer.echo(f"eval: {note}")
+    rows, failures = [], []
+    for cfg in configs:
+        if output is None:
+            folder = Path("runs/eval") / f"{cfg.env}-{cfg.split}"
+        else:
+            folder = output / f"eval_{cfg.split}" if len(configs) > 1 else output
+        with _kept_failures(folder):
+            metrics = run_eval(cfg, folder)
+        rows.append({k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate",
+                                             "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate",
+                                             "env_steps", "wall_seconds", "tokens_generated")})
+        typer.echo(f"wrote {folder / 'metrics.json'}")
+        failures.append(metrics)
+    print_table(rows)
+    for metrics in failures:
+        _echo_first_failure(metrics)
 
 
 # ---------------------------------------------------------------------------------------- evolve
@@ -603,12 +735,15 @@ def evolve(
                                 "iterations, baselines or variants (nothing else changed) extends a finished run"),
     redo: Optional[str] = typer.Option(None, "--redo", help="forget recorded stage STAGE (e.g. iter_1/critic) "
                                        "and every later one, then resume from it"),
-    show_config: bool = show_config_option("qevolve.evolve.loop:EvolveConfig"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
 ) -> None:
     """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
     from qevolve.config import load_config
     from qevolve.evolve.loop import EvolveConfig, run_evolve
 
+    show_config("evolve", EvolveConfig, show, defaults, lambda: load_config(EvolveConfig, config, overrides or []),
+                ["fields the loop sets itself are comments saying what decides them"])
     cfg = load_config(EvolveConfig, config, overrides or [])
     started = time.time()
     table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)

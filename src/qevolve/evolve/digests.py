@@ -158,12 +158,15 @@ def _manifest(root: Path) -> dict[str, Any]:
 
 def compare_runs(a: str | Path, b: str | Path) -> dict[str, Any]:
     """``qevolve diff``: configs, environments and every stage of two runs."""
+    from qevolve.config import strip_derived
+    from qevolve.evolve.loop import EvolveConfig
     from qevolve.evolve.run_dir import LOCATION_FIELDS
 
     a, b = Path(a), Path(b)
     ma, mb = _manifest(a), _manifest(b)
-    config_a = {k: v for k, v in ma["config"].items() if k not in LOCATION_FIELDS}
-    config_b = {k: v for k, v in mb["config"].items() if k not in LOCATION_FIELDS}
+    # older runs recorded the fields the loop decides itself too; they are not what the stages used
+    config_a = {k: v for k, v in strip_derived(EvolveConfig, ma["config"]).items() if k not in LOCATION_FIELDS}
+    config_b = {k: v for k, v in strip_derived(EvolveConfig, mb["config"]).items() if k not in LOCATION_FIELDS}
     config = [{"field": f, "a": _at(config_a, f), "b": _at(config_b, f)} for f in differing_fields(config_a, config_b)]
     env_a, env_b = ma.get("environment", {}), mb.get("environment", {})
     environment = [{"field": f, "a": _at(env_a, f), "b": _at(env_b, f)} for f in differing_fields(env_a, env_b)]

@@ -31,13 +31,13 @@ import gc
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from qevolve.buffer.store import Episode, read_episodes, sorted_episodes, write_episodes
-from qevolve.config import StageConfig
+from qevolve.config import Derived, StageConfig, merge_trees, strip_derived
 from qevolve.critic.config import CriticConfig
 from qevolve.environments.experts import filter_task_types
 from qevolve.evaluation.metrics import FailedEpisodesError
@@ -125,8 +125,69 @@ def _override(config: StageConfig, updates: dict[str, Any], where: str) -> Stage
         raise ValueError(f"{where}.{field}: {first['msg']} (got {first.get('input')!r})") from None
 
 
+def _policy_stage_fields(section: str, what: str) -> dict[str, Derived]:
+    """The fields the loop sets when it builds a policy-training stage (BPPO/AWR, DPO) from ``section``."""
+    return {
+        f"{section}.env": Derived("env", f"the loop sets {what}'s environment from env"),
+        f"{section}.model": Derived("model", f"the loop sets {what}'s model from model, starting from the "
+                                    "policy it updates"),
+        f"{section}.model.name_or_path": Derived(None, f"{what} starts from the iteration's policy"),
+        f"{section}.prompt": Derived("prompt", "one prompt config for every stage"),
+        f"{section}.buffer_path": Derived(None, f"{what} trains on the iteration's buffer"),
+        f"{section}.reference": Derived(None, "the KL reference is the run's BC policy"),
+        f"{section}.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
+        f"{section}.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+        f"{section}.progress": Derived("progress", "one progress setting for the run"),
+        f"{section}.resume": Derived(None, "the run resumes stage by stage: qevolve evolve --resume"),
+    }
+
+
+#: The stage sections' fields that ``run_evolve`` (and :func:`bc_data_config`, :func:`rft_config`) set
+#: themselves when they build each stage's config: dotted field (``*`` = any variant name) -> the field
+#: that decides it. A YAML file or an override that sets one is refused naming that field
+#: (``qevolve.config.load_config``); ``--show-config`` lists them as derived; a run's manifest leaves
+#: them out (:func:`recorded_config`). Fields of the same sections that are not here are read as given
+#: (e.g. bc.data.train_path, bc.data.num_demonstrations, bc.data.seed, rft.epochs, critic.init).
+DERIVED_FIELDS: dict[str, Derived] = {
+    "bc.model": Derived("model", "the loop sets bc.model from model"),
+    "bc.prompt": Derived("prompt", "one prompt config for every stage"),
+    "bc.data.env": Derived("env", "behaviour cloning's demonstrations are of the run's environment"),
+    "bc.data.task_types": Derived("task_types", "the task types restrict the whole protocol"),
+    "bc.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
+    "bc.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+    "bc.progress": Derived("progress", "one progress setting for the run"),
+    "bc.resume": Derived(None, "the run resumes stage by stage: qevolve evolve --resume"),
+    "rollout.agent.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+    "eval.agent.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+    "critic.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+    **_policy_stage_fields("policy", "the policy update"),
+    "rft.model": Derived("model", "the loop sets rft.model from model, starting from the iteration's "
+                         "starting policy"),
+    "rft.model.name_or_path": Derived(None, "RFT starts from iteration 1's starting policy"),
+    "rft.prompt": Derived("prompt", "one prompt config for every stage"),
+    "rft.data.env": Derived("env", "RFT trains on the run's buffer"),
+    "rft.data.train_path": Derived(None, "RFT trains on iteration 1's buffer"),
+    "rft.data.only_won": Derived(None, "RFT is behaviour cloning on the buffer's won episodes"),
+    "rft.data.task_types": Derived(None, "RFT takes every won episode of the buffer, whose task types "
+                                   "task_types already restricts"),
+    "rft.data.num_demonstrations": Derived(None, "RFT takes every won episode of the buffer"),
+    "rft.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
+    "rft.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+    "rft.progress": Derived("progress", "one progress setting for the run"),
+    "rft.resume": Derived(None, "the run resumes stage by stage: qevolve evolve --resume"),
+    **_policy_stage_fields("eto", "the eto baseline"),
+    # a variant's sections are overrides of critic, label and policy, built the same way
+    "variants.*.critic.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
+    "variants.*.critic.init": Derived("critic.init", "every critic of the run starts from the same backbone "
+                                      "(critic.init, else critic_init)"),
+    **_policy_stage_fields("variants.*.policy", "a variant's policy update"),
+}
+
+
 class EvolveConfig(StageConfig):
     """The whole loop: ``qevolve evolve --config configs/cpu/webshop-quick.yaml [key=value ...]``."""
+
+    derived_fields: ClassVar[dict[str, Derived]] = DERIVED_FIELDS
 
     name: str = Field("run", description="run name: outputs go to RUNS_DIR/NAME")
     runs_dir: str = Field("runs", description="folder of run directories")
@@ -140,28 +201,29 @@ class EvolveConfig(StageConfig):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the base policy model (BC starts from it)")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="one prompt config for BC, acting, "
                                  "critic tokenisation and BPPO")
-    bc: BCConfig = Field(default_factory=BCConfig, description="behaviour cloning (its model, prompt, env and "
-                         "output_dir are set by the loop)")
+    bc: BCConfig = Field(default_factory=BCConfig, description="behaviour cloning (its model, prompt, "
+                         "environment, seed and output folder are set by the loop)")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="collecting D_self")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="evaluation")
     buffer: BufferSettings = Field(default_factory=BufferSettings, description="the hybrid buffer")
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="weighted IQL critic (init is set by "
-                                 "critic_init unless given)")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="weighted IQL critic (init: "
+                                 "critic_init decides it unless given; its seed is set by the loop)")
     critic_init: Literal["bc", "base"] = Field("bc", description="critic backbone: the BC policy or the base model")
     label: LabelConfig = Field(default_factory=LabelConfig, description="process rewards")
-    policy: PolicyStageConfig = Field(default_factory=PolicyStageConfig, description="BPPO (its model, reference, "
-                                      "buffer and output_dir are set by the loop)")
+    policy: PolicyStageConfig = Field(default_factory=PolicyStageConfig, description="BPPO (its model, prompt, "
+                                      "reference, buffer, seed and output folder are set by the loop)")
     baselines: list[Literal["rft", "eto", "rerank"]] = Field(
         default_factory=list, description="baselines from iteration 1's starting policy and buffer: rft "
         "(rejection-sampling fine-tuning: BC on the buffer's won episodes, expert and self), eto (DPO on "
         "trajectory pairs of the same task), rerank (no policy update: the critic picks among sampled turns)")
     rerank: RerankSettings = Field(default_factory=RerankSettings, description="the rerank baseline")
     rft: BCConfig = Field(default_factory=lambda: BCConfig(epochs=1, grad_accum_steps=2),
-                          description="the rft baseline's training (data, model, prompt and output are set by "
-                          "the loop: the buffer's won episodes, starting from the iteration's policy)")
+                          description="the rft baseline's training (its data, model, prompt, seed and output are "
+                          "set by the loop: the buffer's won episodes, starting from the iteration's policy)")
     eto: PolicyStageConfig = Field(
         default_factory=lambda: PolicyStageConfig(objective={"name": "dpo"}, optim={"lr": 5e-5}),
-        description="the eto baseline's DPO stage (buffer, model, reference and output are set by the loop)")
+        description="the eto baseline's DPO stage (its buffer, model, prompt, reference, seed and output are "
+        "set by the loop)")
     variants: dict[str, VariantSettings] = Field(
         default_factory=dict, description="ablations at equal data: NAME -> overrides of the critic, label and "
         "policy stages, run in iteration 1 on its buffer (e.g. plain_iql: {critic: {weighting: {temporal: "
@@ -218,7 +280,7 @@ class _Loggers:
                 import wandb
             except ImportError:
                 raise ValueError("wandb: true needs the wandb package (pip install wandb)") from None
-            self.wandb = wandb.init(project="qevolve", name=config.name, config=config.model_dump(mode="json"))
+            self.wandb = wandb.init(project="qevolve", name=config.name, config=recorded_config(config))
 
     def log(self, stage: str, iteration: int, metrics: dict[str, Any]) -> None:
         scalars = {f"{stage.split('/', 1)[-1]}/{k}": float(v) for k, v in metrics.items()
@@ -395,6 +457,50 @@ def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: 
             "task_types": None, "num_demonstrations": None})})
 
 
+def recorded_config(config: EvolveConfig) -> dict[str, Any]:
+    """The config a run's manifest records: every field as it acts, without the fields the loop decides
+    itself (:data:`DERIVED_FIELDS`), whose values in the config would not be the ones the stages used."""
+    return strip_derived(type(config), config.model_dump(mode="json"))
+
+
+def upgrade_recorded(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's config through today's schema (fields added since: their defaults; fields the loop
+    decides, which older runs recorded: left out), for the resume comparison."""
+    return recorded_config(EvolveConfig.model_validate(recorded))
+
+
+def evaluation_settings(config: EvolveConfig, prefix: str) -> dict[str, Any]:
+    """How the run evaluates the policy of stages ``<prefix>/eval_<split>``: ``rollout``, the evaluation
+    config of every split (:class:`qevolve.rollouts.run.RolloutConfig` fields, without ``split`` and the
+    policy's ``model.name_or_path``), ``splits``, and ``agent_seeds``, each split's stage seed. The loop's
+    evaluation stages are built from it and saved policies record it, so that a stand-alone ``qevolve
+    eval --checkpoint POLICY`` repeats the run's evaluation."""
+    model = config.model.model_dump(mode="json")
+    model.pop("name_or_path")
+    if model["num_threads"] is None and config.num_threads is not None:
+        model["num_threads"] = config.num_threads  # the loop runs every stage with the run's thread count
+    agent = config.eval.agent.model_dump(mode="json")
+    agent.pop("seed")
+    return {"rollout": {"env": config.env, "limit": config.eval.limit, "task_stride": config.eval.task_stride,
+                        "task_types": config.task_types, "model": model,
+                        "prompt": config.prompt.model_dump(mode="json"), "agent": agent, "source": "eval"},
+            "splits": list(config.eval.splits),
+            "agent_seeds": {split: derive_seed(config.seed, f"{prefix}/eval_{split}") for split in config.eval.splits},
+            "run": config.name, "stages": [f"{prefix}/eval_{split}" for split in config.eval.splits]}
+
+
+def record_evaluation(policy_folder: Path, config: EvolveConfig, prefix: str) -> None:
+    """Add :func:`evaluation_settings` to the saved policy at ``policy_folder`` (its ``qevolve_policy.json``;
+    nothing when the stage saved no final policy)."""
+    from qevolve.policy.model import POLICY_INFO, read_policy_info
+
+    path = Path(policy_folder) / POLICY_INFO
+    if path.is_file():
+        info = read_policy_info(policy_folder)
+        info["evaluation"] = evaluation_settings(config, prefix)
+        path.write_text(json.dumps(info, indent=1, default=str))
+
+
 def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,
                stop_before: str | None = None, redo: str | None = None) -> dict[str, Any]:
     """Run (or resume) the loop; returns the success-rate table. ``stop_before`` ends the run just
@@ -416,9 +522,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     torch.set_num_threads(threads)
     validate_inputs(config)
     root = Path(config.runs_dir).expanduser() / config.name
-    run = RunDirectory(root, config.model_dump(mode="json"), config.seed, resume=resume, redo=redo,
-                       upgrade=lambda recorded: type(config).model_validate(recorded).model_dump(mode="json"),
-                       extend=extension_of, environment=environment_of(config))
+    run = RunDirectory(root, recorded_config(config), config.seed, resume=resume, redo=redo,
+                       upgrade=upgrade_recorded, extend=extension_of, environment=environment_of(config))
     if run.environment_changed:
         log(f"WARNING: resuming {root} in another environment than it started in ({', '.join(run.environment_changed)} "
             "differ): later stages may not compute what an uninterrupted run would; recorded in the manifest")
@@ -474,21 +579,18 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     def evaluate(prefix: str, policy_path: str, critic_path: str | None = None) -> None:
         """Evaluation stages ``<prefix>/eval_<split>`` of the policy at ``policy_path`` (re-ranked by the
         critic at ``critic_path`` when given)."""
-        agent, limit, stride, rerank = config.eval.agent, config.eval.limit, config.eval.task_stride, {}
+        settings, rerank = evaluation_settings(config, prefix)["rollout"], {}
         if critic_path is not None:
-            agent = agent.model_copy(update={"temperature": config.rerank.temperature})
-            limit = config.rerank.limit or limit
-            stride = config.rerank.task_stride or stride
-            rerank = {"rerank_critic": str(root / critic_path), "rerank_candidates": config.rerank.num_candidates,
+            rerank = {"limit": config.rerank.limit or config.eval.limit,
+                      "task_stride": config.rerank.task_stride or config.eval.task_stride,
+                      "agent": {"temperature": config.rerank.temperature},
+                      "rerank_critic": str(root / critic_path), "rerank_candidates": config.rerank.num_candidates,
                       "rerank_q_source": config.rerank.q_source}
         for split in config.eval.splits:
             def fn(workdir: Path, split=split):
-                rc = RolloutConfig(env=config.env, split=split, limit=limit,
-                                   task_stride=stride, task_types=config.task_types,
-                                   model=config.model.model_copy(
-                                       update={"name_or_path": policy_path}),
-                                   prompt=config.prompt, source="eval", **rerank,
-                                   agent=agent.model_copy(update={"seed": current["seed"]}))
+                # the settings saved policies record (record_evaluation), so `qevolve eval` repeats this
+                rc = RolloutConfig.model_validate(merge_trees(settings, merge_trees(rerank, {
+                    "split": split, "model": {"name_or_path": policy_path}, "agent": {"seed": current["seed"]}})))
                 metrics = run_eval(rc, workdir, progress=config.progress)
                 return ({"trajectories": "trajectories", "metrics": "metrics.json"},
                         {k: metrics[k] for k in EVAL_KEYS if k in metrics})
@@ -505,6 +607,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             if name == "rft":
                 def rft_stage(workdir: Path):
                     result = run_bc(rft_config(config, start, root / buffer_path, workdir, current["seed"]), log=log)
+                    record_evaluation(workdir / "final", config, f"{it}/rft")
                     return {"policy": "final"}, {"steps": result.steps, "train_sequences": result.train_sequences,
                                                  "train_tokens": result.train_tokens}
                 record = stage(f"{it}/rft/policy", {"buffer": buffer_path, "start": start}, rft_stage)
@@ -516,6 +619,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                         "prompt": config.prompt, "output_dir": str(workdir), "seed": current["seed"],
                         "progress": config.progress, "resume": False})
                     summary = run_policy_update(eto_config, log=log).summary()
+                    record_evaluation(workdir / "final", config, f"{it}/eto")
                     return {"policy": "final"}, {key: value for key, value in summary.items()
                                                  if isinstance(value, (int, float))}
                 record = stage(f"{it}/eto/policy", {"buffer": buffer_path, "start": start}, eto_stage)
@@ -531,6 +635,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 "data": bc_data_config(config), "seed": current["seed"],
                 "progress": config.progress, "resume": False})
             result = run_bc(bc_config, log=log)
+            record_evaluation(workdir / "final", config, "bc")
             metrics = {"steps": result.steps, "train_tokens": result.train_tokens,
                        "tokens_per_second": round(result.tokens_per_second, 1)}
             for tag, values in (("before", result.eval_before), ("after", result.eval_after)):
@@ -608,13 +713,14 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                              label_stage)
 
             def policy_stage(workdir: Path, labelled_path=labelled.outputs["labelled"], start=policy_path,
-                             stage_config=config.policy):
+                             stage_config=config.policy, prefix=it):
                 policy_config = stage_config.model_copy(update={
                     "env": config.env, "buffer_path": str(root / labelled_path),
                     "model": config.model.model_copy(update={"name_or_path": start}),
                     "reference": bc_policy, "prompt": config.prompt, "output_dir": str(workdir),
                     "seed": current["seed"], "progress": config.progress, "resume": False})
                 result = run_policy_update(policy_config, log=log)
+                record_evaluation(workdir / "final", config, prefix)
                 summary = result.summary()
                 return {"policy": "final"}, {key: value for key, value in summary.items()
                                              if isinstance(value, (int, float))}
@@ -642,8 +748,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     p_config = _override(config.policy, settings.policy, f"variants.{variant}.policy")
                     v_policy = stage(f"{prefix}/policy", {"labelled": v_labelled.outputs["labelled"],
                                                           "start": start_policy},
-                                     lambda workdir, c=p_config, lp=v_labelled.outputs["labelled"]:
-                                     policy_stage(workdir, labelled_path=lp, start=start_policy, stage_config=c))
+                                     lambda workdir, c=p_config, lp=v_labelled.outputs["labelled"], pf=prefix:
+                                     policy_stage(workdir, labelled_path=lp, start=start_policy, stage_config=c,
+                                                  prefix=pf))
                     evaluate(prefix, str(root / v_policy.outputs["policy"]))
     finally:
         loggers.close()

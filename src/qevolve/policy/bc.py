@@ -32,7 +32,7 @@ from qevolve.config import StageConfig
 from qevolve.environments.turn_format import parse_turn
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches, sequences_from_episodes
 from qevolve.policy.forward import target_nll
-from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
+from qevolve.policy.model import ModelConfig, Policy, acting_settings, load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import RESUME_FREE, ScalarWriter, Trainer, TrainingConfig, latest_checkpoint
 from qevolve.scalars import SCALARS_FILE
@@ -325,7 +325,8 @@ def run_bc(config: BCConfig, log: Callable[[str], None] = print) -> BCResult:
             writer.scalars(step, {f"eval/{k}": v for k, v in eval_after.items() if k.startswith("agent")})
             log(f"bc: held-out agent-token NLL after training {eval_after['agent_nll']:.4f} "
                 f"(accuracy {eval_after['agent_accuracy']:.3f})")
-        final_dir = trainer.save_final("bc", step, {"bc_steps": step})
+        final_dir = trainer.save_final("bc", step, {"bc_steps": step,
+                                                    **acting_settings(config.data.env, config.prompt)})
     writer.close()
     result = BCResult(step, total_steps, start_step, interrupted, len(data.train), train_tokens, train_targets,
                       eval_before, eval_after, tokens_done / compute_seconds if compute_seconds else 0.0,

@@ -39,7 +39,7 @@ from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
-from qevolve.policy.model import ModelConfig, Policy, load_policy, unwrap_model
+from qevolve.policy.model import ModelConfig, Policy, acting_settings, load_policy, unwrap_model
 from qevolve.policy.objectives import PAIR_OBJECTIVES, ObjectiveConfig, compute_objective
 from qevolve.policy.prompts import PromptBuilder, PromptConfig
 from qevolve.policy.trainer import OptimConfig, ScalarWriter, Trainer, TrainingConfig
@@ -277,7 +277,8 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     step, interrupted = trainer.steps_done, trainer.interrupted
     output_dir = trainer.output_dir
     final_dir = trainer.save_final(f"policy/{config.objective.name}", step,
-                                   {"policy_steps": step, "objective": config.objective.name})
+                                   {"policy_steps": step, "objective": config.objective.name,
+                                    **acting_settings(config.env, config.prompt)})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
                           time.perf_counter() - started, final_dir, stats_log)
     if not interrupted and dist.is_main:

@@ -40,7 +40,7 @@ from qevolve.distributed import launcher_world_size
 from qevolve.policy.batching import collate
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.forward import target_logprobs
-from qevolve.policy.model import load_policy, unwrap_model
+from qevolve.policy.model import acting_settings, load_policy, unwrap_model
 from qevolve.policy.prompts import PromptBuilder
 from qevolve.policy.trainer import ScalarWriter, Trainer
 from qevolve.scalars import SCALARS_FILE
@@ -202,7 +202,8 @@ def run_dpo(config, log: Callable[[str], None] = print):
     bar.close()
     writer.close()
     step, interrupted = trainer.steps_done, trainer.interrupted
-    final_dir = trainer.save_final("policy/dpo", step, {"policy_steps": step, "objective": "dpo"})
+    final_dir = trainer.save_final("policy/dpo", step, {"policy_steps": step, "objective": "dpo",
+                                                        **acting_settings(config.env, config.prompt)})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), sum(s.num_targets for s in sequences),
                           time.perf_counter() - started, final_dir, stats_log)
     if not interrupted:

@@ -44,6 +44,29 @@ __all__ = ["LoraSettings", "ModelConfig", "Policy", "load_policy", "resolve_prec
 
 log = logging.getLogger(__name__)
 
+#: the JSON beside a saved policy's weights: what it is (base model, LoRA, precision), the environment and
+#: prompt it was trained with (``settings``) and, for a policy of ``qevolve evolve``, the evaluation the
+#: run gave it (``evaluation``), which a stand-alone ``qevolve eval`` repeats by default
+POLICY_INFO = "qevolve_policy.json"
+
+
+def acting_settings(env: str, prompt: Any) -> dict[str, Any]:
+    """The ``settings`` entry of :data:`POLICY_INFO`: the environment and prompt config a policy was trained
+    with (a policy acts well only with the prompts it learned from)."""
+    return {"settings": {"env": env, "prompt": prompt.model_dump(mode="json")}}
+
+
+def read_policy_info(folder: str | Path) -> dict[str, Any]:
+    """A saved policy's :data:`POLICY_INFO` ({} when it has none, e.g. a base model folder)."""
+    path = Path(folder).expanduser() / POLICY_INFO
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not readable JSON ({str(err).splitlines()[0]})") from None
+    return info if isinstance(info, dict) else {}
+
 Precision = Literal["auto", "fp32", "bf16", "bf16-autocast"]
 
 
@@ -186,7 +209,7 @@ class Policy:
         self.tokenizer.save_pretrained(folder)
         info = {"base_model": self.base_source, "lora": self.is_lora and not self.merged,
                 "merged_adapter": self.merged, "precision": self.precision, **(extra or {})}
-        (folder / "qevolve_policy.json").write_text(json.dumps(info, indent=1, default=str))
+        (folder / POLICY_INFO).write_text(json.dumps(info, indent=1, default=str))
         return folder
 
     @contextlib.contextmanager
