@@ -171,10 +171,12 @@ def test_a_stage_that_is_not_resumable_starts_empty_and_leaves_nothing(tmp_path)
     assert not list((tmp_path / "r").glob("**/.*.partial"))
 
 
-def test_a_training_stage_renamed_but_not_recorded_continues_from_its_folder(tmp_path):
+def test_a_training_stage_renamed_but_not_recorded_continues_from_its_folder(tmp_path, monkeypatch):
     """A kill between the rename into place and the manifest write: the training stage's finished folder
     becomes its work folder again (its trainer then finds the final checkpoint)."""
     import os
+
+    import qevolve.evolve.run_dir as run_dir
 
     run = RunDirectory(tmp_path / "r", {"k": 1}, seed=0)
     real_replace = os.replace
@@ -183,14 +185,11 @@ def test_a_training_stage_renamed_but_not_recorded_continues_from_its_folder(tmp
         real_replace(src, dst)
         if str(dst).endswith("/bc"):
             raise KeyboardInterrupt
-    import qevolve.evolve.run_dir as run_dir
 
-    run_dir.os.replace = killed_after_rename
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None, resumable=True)
-    finally:
-        run_dir.os.replace = real_replace
+    monkeypatch.setattr(run_dir.os, "replace", killed_after_rename)
+    with pytest.raises(KeyboardInterrupt):
+        run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None, resumable=True)
+    monkeypatch.undo()
     run.close()
     assert (tmp_path / "r/bc/out.txt").exists() and not json.loads((tmp_path / "r/manifest.json").read_text())["stages"]
     seen = []
