@@ -114,6 +114,10 @@ def test_each_interrupted_training_stage_resumes_from_its_checkpoint_to_the_same
     assert total == {**dict.fromkeys(POLICY_STAGES, STEPS), "iter_1/critic": 8}  # 2 epochs of 4 trajectories
 
     config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={tmp_path / 'interrupted'}", "name=run"])
+    # resumed with other worker counts and logging: settings that change no result
+    changed = load_config(EvolveConfig, None, [*overrides, f"runs_dir={tmp_path / 'interrupted'}", "name=run",
+                                               "rollout.agent.num_workers=1", "eval.agent.num_workers=1",
+                                               "tensorboard=true"])
     root = tmp_path / "interrupted" / "run"
     rng = random.Random(7)
     resumed_from: dict[str, int] = {}
@@ -133,7 +137,7 @@ def test_each_interrupted_training_stage_resumes_from_its_checkpoint_to_the_same
         interrupter.start(root, (stage, at))
         messages.clear()
         with pytest.raises(KeyboardInterrupt) as caught:
-            run_evolve(config, resume=previous is not None, log=messages.append)
+            run_evolve(config if previous is None else changed, resume=previous is not None, log=messages.append)
         if previous is not None:
             continued_from_its_checkpoint(previous)
         done = at - 1 if stage == "iter_1/critic" else at  # steps completed before the interruption
@@ -146,8 +150,11 @@ def test_each_interrupted_training_stage_resumes_from_its_checkpoint_to_the_same
         previous = stage
     interrupter.start(root)
     messages.clear()
-    run_evolve(config, resume=True, log=messages.append)
+    run_evolve(changed, resume=True, log=messages.append)
     continued_from_its_checkpoint(previous)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["resume_changes"] == [{"after_stage": None, "changes": {  # BC, the first stage, was unfinished
+        "tensorboard": [False, True], "rollout.agent.num_workers": [2, 1], "eval.agent.num_workers": [2, 1]}}]
 
     ours = json.loads((root / "manifest.json").read_text())["stages"]
     theirs = json.loads((ref_root / "manifest.json").read_text())["stages"]
