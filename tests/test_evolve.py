@@ -138,9 +138,11 @@ def test_webshop_quickstart_candidate_is_v2_shrunk_only_where_its_header_says():
     v2 = load_config(EvolveConfig, root / "webshop-v2.yaml").model_dump()
     quick = load_config(EvolveConfig, root / "webshop-quick.yaml").model_dump()
     changed = {("name",): "cpu-webshop-quick", ("iterations",): 1, ("bc", "data", "num_demonstrations"): 32,
-               ("bc", "grad_accum_steps"): 1, ("bc", "save_every"): 10, ("eval", "limit"): 50,
+               ("bc", "grad_accum_steps"): 1, ("bc", "save_every"): 5, ("eval", "limit"): 50,
                ("eval", "agent", "batch_size"): 25, ("buffer", "num_expert"): 16, ("critic", "epochs"): 500,
                ("policy", "grad_accum_steps"): 1, ("rft", "grad_accum_steps"): 1, ("baselines",): ["rft"],
+               # checkpoints every few minutes of the shorter steps (they change no result)
+               ("policy", "save_every"): 3, ("rft", "save_every"): 5,
                ("variants",): {}}
     for path, value in changed.items():
         q, v = quick, v2
@@ -170,7 +172,7 @@ def test_webshop_quick_ablations_extend_the_quick_run_with_v2s_rows():
     assert changes == ["iterations 1 -> 2", "baselines + eto, rerank", "variants + q_minus_v, awr, plain_iql"]
     assert wider["variants"] == v2["variants"] and wider["rerank"] == v2["rerank"]
     assert wider["baselines"] == v2["baselines"] and wider["iterations"] == v2["iterations"]
-    assert wider["eto"] == {**v2["eto"], "grad_accum_steps": 1}
+    assert wider["eto"] == {**v2["eto"], "grad_accum_steps": 1, "save_every": 3}
 
 
 def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_dir, tmp_path):

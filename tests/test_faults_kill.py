@@ -3,9 +3,10 @@ uninterrupted run; a killed environment worker costs one episode, not the run; n
 
 The whole loop runs as a real ``python -m qevolve.cli evolve`` subprocess on the counter testing
 environment with a tiny random model (K = 1, one evaluation split). Kill moments are seeded: for
-each stage the test waits until the stage's staging folder exists, then sleeps a seeded random
+each stage the test waits until the stage's work folder exists, then sleeps a seeded random
 fraction of the stage's duration in the reference run, then SIGKILLs the process (only it, not its
-children: they must notice and exit by themselves).
+children: they must notice and exit by themselves). The training stages checkpoint after every
+step, so a kill inside one usually leaves a checkpoint that the resumed run continues from.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 STAGES = ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
           "iter_1/policy", "iter_1/eval_seen"]
 TIMING = re.compile(r"second|date|finished|wall|per_s|elapsed")
-STAGING = re.compile(r"\.[\w-]+\.partial-\w+")  # a stage's temporary folder (random name) before its rename
+STAGING = re.compile(r"\.[\w-]+\.partial\b")  # a stage's work folder before its rename
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +53,12 @@ def setup(tmp_path_factory, tiny_model_dir):
         f"env={ENV}", "iterations=1", "progress=false", "num_threads=1", "tensorboard=false", "seed=3",
         f"model.name_or_path={tiny_model_dir}", "model.precision=fp32", "model.device=cpu",
         "prompt.max_prompt_tokens=512", "prompt.reserve_action_tokens=16",
-        f"bc.data.train_path={experts}", "bc.max_steps=2", "bc.grad_accum_steps=1", "bc.tokens_per_batch=2048",
-        "bc.tensorboard=false", "rollout.limit=2", "rollout.agent.max_turns=3", "rollout.agent.max_new_tokens=8",
+        f"bc.data.train_path={experts}", "bc.max_steps=3", "bc.grad_accum_steps=1", "bc.tokens_per_batch=2048",
+        "bc.tensorboard=false", "bc.save_every=1", "critic.checkpoint_every_steps=1", "policy.save_every=1", "rollout.limit=2", "rollout.agent.max_turns=3", "rollout.agent.max_new_tokens=8",
         "eval.splits=[seen]", "eval.limit=2", "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8",
         f"buffer.expert_path={experts}", "critic.epochs=1", "critic.feature_cache=false", "critic.head_hidden=16",
         "critic.device=cpu", "critic.retrospective.enabled=false",
-        "policy.max_steps=1", "policy.grad_accum_steps=1", "policy.tokens_per_batch=2048", "policy.tensorboard=false",
+        "policy.max_steps=3", "policy.grad_accum_steps=1", "policy.tokens_per_batch=2048", "policy.tensorboard=false",
     ]
     return folder, overrides
 
@@ -75,7 +76,7 @@ def recorded(root: Path) -> list[str]:
 
 def staging(root: Path, stage: str) -> list[Path]:
     parent, _, leaf = stage.rpartition("/")
-    return list((root / parent).glob(f".{leaf}.partial-*"))
+    return list((root / parent).glob(f".{leaf}.partial"))
 
 
 def wait_until(predicate, proc: subprocess.Popen, timeout: float = 600.0) -> bool:
@@ -192,7 +193,7 @@ def test_killed_in_every_stage_then_resumed_equals_an_uninterrupted_run(setup):
     assert sorted(ours_files) == sorted(theirs_files)
     for name in theirs_files:
         assert ours_files[name] == theirs_files[name], name
-    assert not list(root.glob("**/.*.partial-*"))
+    assert not list(root.glob("**/.*.partial"))
 
 
 def test_a_killed_environment_worker_costs_one_episode_and_the_run_finishes(setup):

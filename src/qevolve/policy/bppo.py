@@ -98,9 +98,12 @@ class PolicyResult:
     seconds: float
     final_dir: Path | None
     stats: list[dict[str, float]] = field(default_factory=list)  # per optimizer step
+    # the last step's statistics saved with the checkpoint this invocation resumed from (reported
+    # when it had no step left to run, as after a kill between the last checkpoint and the final save)
+    resumed_stats: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        last = self.stats[-1] if self.stats else {}
+        last = self.stats[-1] if self.stats else self.resumed_stats
         return {"steps": self.steps, "sequences": self.sequences, "action_tokens": self.action_tokens,
                 "seconds": round(self.seconds, 1), "final_dir": str(self.final_dir) if self.final_dir else None,
                 **{f"last_{k}": v for k, v in last.items()}}
@@ -271,7 +274,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         bar.update(1)
         if done % config.log_every == 0:
             writer.scalars(done, {f"policy/{k}": v for k, v in step_stats.items()})
-        trainer.maybe_save(done, {"old_logprobs": old_logp, "ref_logprobs": ref_logp})
+        trainer.maybe_save(done, {"old_logprobs": old_logp, "ref_logprobs": ref_logp, "last_stats": step_stats})
     bar.close()
     writer.close()
     step, interrupted = trainer.steps_done, trainer.interrupted
@@ -280,7 +283,8 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
                                    {"policy_steps": step, "objective": config.objective.name,
                                     **acting_settings(config.env, config.prompt)})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
-                          time.perf_counter() - started, final_dir, stats_log)
+                          time.perf_counter() - started, final_dir, stats_log,
+                          (trainer.resume_state or {}).get("last_stats", {}))
     if not interrupted and dist.is_main:
         summary = {**result.summary(), "final_dir": "final" if final_dir else None}  # relative, as in BC
         (output_dir / "policy_summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -143,6 +143,8 @@ def run_dpo(config, log: Callable[[str], None] = print):
     total_steps, start_step = trainer.total_steps, trainer.start_step
     log(f"policy (dpo, beta {objective.dpo_beta}): {len(pairs)} pairs over {len(used)} episodes of "
         f"{len({episodes[w].task_id for w, _ in pairs})} tasks; {total_steps} steps; model {policy.source}")
+    if trainer.resume_state is not None:
+        log(f"policy: resumed from {trainer.checkpoint} at step {start_step}")
 
     writer = ScalarWriter(trainer.output_dir / "tensorboard" if config.tensorboard else None,
                           trainer.output_dir / SCALARS_FILE, start_step)
@@ -198,14 +200,15 @@ def run_dpo(config, log: Callable[[str], None] = print):
         bar.update(1)
         if done % config.log_every == 0:
             writer.scalars(done, {f"policy/{k}": v for k, v in step_stats.items()})
-        trainer.maybe_save(done, {"ref_logprobs": ref_logp})
+        trainer.maybe_save(done, {"ref_logprobs": ref_logp, "last_stats": step_stats})
     bar.close()
     writer.close()
     step, interrupted = trainer.steps_done, trainer.interrupted
     final_dir = trainer.save_final("policy/dpo", step, {"policy_steps": step, "objective": "dpo",
                                                         **acting_settings(config.env, config.prompt)})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), sum(s.num_targets for s in sequences),
-                          time.perf_counter() - started, final_dir, stats_log)
+                          time.perf_counter() - started, final_dir, stats_log,
+                          (trainer.resume_state or {}).get("last_stats", {}))
     if not interrupted:
         summary = {**result.summary(), "pairs": len(pairs), "final_dir": "final" if final_dir else None}
         (trainer.output_dir / "policy_summary.json").write_text(json.dumps(summary, indent=1, default=str))

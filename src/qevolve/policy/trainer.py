@@ -261,6 +261,14 @@ class Trainer:
             self.scheduler.load_state_dict(self.resume_state["scheduler"])
             torch.set_rng_state(self.resume_state["torch_rng"])
             random.setstate(self.resume_state["python_rng"])
+            cuda_rng = self.resume_state.get("cuda_rng")
+            # LoRA dropout on a GPU draws from the CUDA generators: without them a resumed run differs
+            if cuda_rng is not None and torch.cuda.is_available() and len(cuda_rng) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda_rng)
+            if self.dist.is_main:
+                # a run killed after writing a checkpoint but before deleting the oldest one still
+                # ends with the checkpoints an uninterrupted run keeps
+                self._prune_checkpoints()
 
     def _wrap(self, policy: Policy) -> Any:
         if not self.dist.enabled:
@@ -440,6 +448,7 @@ class Trainer:
         if self.dist.is_main:
             state = {"step": step, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
                      "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                     **({"cuda_rng": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}),
                      "fingerprint": self.fingerprint, **extra_state}
             self._write_checkpoint(step, state, model_state)
         self.dist.barrier()
@@ -481,5 +490,11 @@ class Trainer:
         torch.save(state, staging / "trainer_state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        self._prune_checkpoints()
+
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest ``keep_checkpoints`` checkpoints; drop staging folders of interrupted writes."""
         for old in _checkpoint_dirs(self.output_dir)[:-self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
+        for staging in (self.output_dir / "checkpoints").glob(".tmp-step-*"):
+            shutil.rmtree(staging, ignore_errors=True)
