@@ -132,3 +132,16 @@ def test_a_manifest_records_no_field_the_loop_decides_and_old_ones_still_resume(
     changed = recorded_config(load_config(EvolveConfig, None, ["model.lora.enabled=true"]))
     with pytest.raises(RunError, match="model.lora.enabled=false, this config has model.lora.enabled=true"):
         RunDirectory(tmp_path / "old", changed, seed=0, resume=True, upgrade=upgrade_recorded)
+
+
+def test_a_partial_baseline_section_keeps_the_baselines_own_defaults():
+    """eto's default objective is DPO and rft's default budget one epoch with 2-step accumulation: setting
+    one other field of those sections must not fall back to the plain stage defaults (eto became BPPO)."""
+    from qevolve.config import load_config
+    from qevolve.evolve.loop import EvolveConfig
+
+    config = load_config(EvolveConfig, None, ["eto.max_steps=5", "rft.save_every=3"])
+    assert config.eto.objective.name == "dpo" and config.eto.max_steps == 5
+    assert config.eto.optim.lr == EvolveConfig().eto.optim.lr
+    assert (config.rft.epochs, config.rft.grad_accum_steps, config.rft.save_every) == (1, 2, 3)
+    assert load_config(EvolveConfig, None, ["eto.objective.name=bppo"]).eto.objective.name == "bppo"

@@ -27,10 +27,10 @@ SENTINEL_PROMPT = {"max_prompt_tokens": 999}
 # none may reach a stage
 SENTINELS = {
     "bc": {"model": SENTINEL_MODEL, "prompt": SENTINEL_PROMPT, "output_dir": "sentinel", "seed": SENTINEL_SEED,
-           "progress": True, "resume": True, "data": {"env": "webshop", "task_types": ["sentinel"]}},
+           "progress": True, "resume": False, "data": {"env": "webshop", "task_types": ["sentinel"]}},
     "policy": {"env": "webshop", "buffer_path": "sentinel", "model": SENTINEL_MODEL, "reference": "sentinel",
                "prompt": SENTINEL_PROMPT, "output_dir": "sentinel", "seed": SENTINEL_SEED, "progress": True,
-               "resume": True},
+               "resume": False},
     "critic": {"seed": SENTINEL_SEED},
     "rollout": {"agent": {"seed": SENTINEL_SEED}},
     "eval": {"agent": {"seed": SENTINEL_SEED}},
@@ -136,7 +136,7 @@ def test_rft_config_decides_exactly_the_rft_fields_listed():
     from qevolve.evolve.loop import rft_config
 
     sentinels = {"model": SENTINEL_MODEL, "prompt": SENTINEL_PROMPT, "output_dir": "sentinel", "seed": SENTINEL_SEED,
-                 "progress": False, "resume": True, "data": {"env": "webshop", "train_path": "sentinel",
+                 "progress": False, "resume": False, "data": {"env": "webshop", "train_path": "sentinel",
                                                             "only_won": False, "task_types": ["x"],
                                                             "num_demonstrations": 3}}
     config = EvolveConfig.model_validate(merge_trees(EvolveConfig().model_dump(mode="json"), {"rft": sentinels}))

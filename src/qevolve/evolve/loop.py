@@ -140,7 +140,7 @@ def _policy_stage_fields(section: str, what: str) -> dict[str, Derived]:
         f"{section}.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
         f"{section}.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
         f"{section}.progress": Derived("progress", "one progress setting for the run"),
-        f"{section}.resume": Derived(None, "the run resumes stage by stage: qevolve evolve --resume"),
+        f"{section}.resume": Derived(None, "--resume continues the stage from its last checkpoint"),
     }
 
 
@@ -158,7 +158,7 @@ DERIVED_FIELDS: dict[str, Derived] = {
     "bc.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
     "bc.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
     "bc.progress": Derived("progress", "one progress setting for the run"),
-    "bc.resume": Derived(None, "the run resumes stage by stage: qevolve evolve --resume"),
+    "bc.resume": Derived(None, "--resume continues the stage from its last checkpoint"),
     "rollout.agent.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
     "eval.agent.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
     "critic.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
@@ -176,7 +176,7 @@ DERIVED_FIELDS: dict[str, Derived] = {
     "rft.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
     "rft.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
     "rft.progress": Derived("progress", "one progress setting for the run"),
-    "rft.resume": Derived(None, "the run resumes stage by stage: qevolve evolve --resume"),
+    "rft.resume": Derived(None, "--resume continues the stage from its last checkpoint"),
     **_policy_stage_fields("eto", "the eto baseline"),
     # a variant's sections are overrides of critic, label and policy, built the same way
     "variants.*.critic.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
@@ -233,6 +233,20 @@ class EvolveConfig(StageConfig):
     tensorboard: bool = Field(True, description="TensorBoard scalars in RUNS_DIR/NAME/tensorboard")
     wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb package)")
     progress: bool = Field(True, description="progress bars")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _baselines_start_from_their_own_defaults(cls, data: Any) -> Any:
+        # rft and eto have defaults of their own (one epoch and 2-step accumulation; the DPO objective),
+        # not their classes'. A YAML or override that sets one of their fields (eto.max_steps=5) must change
+        # that field only; without this the section was rebuilt from the class defaults and eto ran BPPO.
+        if isinstance(data, dict):
+            for name in ("rft", "eto"):
+                given = data.get(name)
+                if isinstance(given, dict):
+                    default = cls.model_fields[name].default_factory().model_dump()  # type: ignore[misc]
+                    data = {**data, name: merge_trees(default, given)}
+        return data
 
     @model_validator(mode="after")
     def _variants_apply(self) -> "EvolveConfig":
