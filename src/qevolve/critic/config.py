@@ -80,6 +80,13 @@ class CriticConfig(StageConfig):
     checkpoint_every_steps: int = Field(200, ge=1, description="write the resumable training state every N steps "
                                                                "(and at the end of every epoch)")
     seed: int = Field(0, description="seed of head initialisation and batch order")
+    heldout_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="diagnostic: this share of the buffer's trajectories (whole episodes, "
+        "drawn per outcome `won` so both outcomes are held out when each has two or more, with an RNG seeded from "
+        "`seed` over the episode ids in sorted order) is left out of training, and V and Q on them are measured "
+        "after every epoch (heldout_* keys of metrics.jsonl). The label stage still labels the whole buffer, so "
+        "those trajectories get V and Q from a critic that never trained on them: keep 0 for the method's own "
+        "critic and measure the fit in a variant (docs/critic.md); 0 = train on everything")
     include_failed: bool = Field(False, description="also train on (and label) episodes lost to environment "
                                  "failures (stored with failed=true); by default they are left out")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig,

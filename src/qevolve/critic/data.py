@@ -57,6 +57,7 @@ class CriticSample:
     weights: torch.Tensor  # [T] float: w_t
     mc_returns: torch.Tensor  # [T] float: discounted sum of r_env + r_aux from t to the end (no bootstrap)
     success: bool  # d: the episode's final score is non-zero (Episode.ended_with_reward)
+    won: bool = False  # Episode.won: the outcome the held-out split is stratified by (not part of the loss)
 
     @property
     def num_turns(self) -> int:
@@ -142,6 +143,7 @@ def build_samples(episodes: list[Episode], retrospective: RetrospectiveConfig, w
             weights=transition_weights(episode.num_turns, success, weighting),
             mc_returns=monte_carlo_returns(env_rewards + aux, gamma),
             success=success,
+            won=bool(episode.won),
         ))
     return samples
 

@@ -6,7 +6,8 @@ Output folder of a run:
   ``checkpoint_every_steps`` steps and at the end of every epoch); a rerun with the same config
   and buffer continues from it, mid-epoch included
 - ``metrics.jsonl``   one line per epoch: both losses, mean V on successful and failed
-  trajectories, explained variance of V against Monte-Carlo returns of r_env + r_aux
+  trajectories, explained variance of V against Monte-Carlo returns of r_env + r_aux; with
+  ``heldout_fraction`` > 0 also the same measured on the held-out trajectories (``heldout_*``)
 - ``critic.pt``       the trained critic (config, heads, target heads, trained backbone weights)
 - ``config.yaml``     the config of the run
 
@@ -19,7 +20,9 @@ the batch's turns, so the all-reduced gradient is that of the whole batch; rank 
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +44,7 @@ from qevolve.critic.model import (Critic, FeatureCache, build_critic, default_mo
 from qevolve.distributed import DistContext, init_distributed, main_first
 
 __all__ = ["train_critic", "load_critic", "predict_values", "critic_samples", "explained_variance", "init_path_of",
-           "CRITIC_FILE", "STATE_FILE", "METRICS_FILE"]
+           "heldout_indices", "roc_auc", "CRITIC_FILE", "STATE_FILE", "METRICS_FILE"]
 
 CRITIC_FILE = "critic.pt"
 STATE_FILE = "train_state.pt"
@@ -67,6 +70,41 @@ def explained_variance(predicted: np.ndarray, target: np.ndarray) -> float:
     return float("nan") if variance == 0 else 1.0 - float(np.var(target - predicted)) / variance
 
 
+def heldout_indices(samples: list[CriticSample], fraction: float, seed: int) -> list[int]:
+    """Indices into ``samples`` of the trajectories ``heldout_fraction`` leaves out of training.
+
+    Whole trajectories, drawn separately among won and not-won episodes so that a small held-out set
+    still has both outcomes: of each outcome's episode ids, sorted (the buffer's file order plays no
+    part), a shuffle takes round(fraction * n), at least one when the outcome has two or more and
+    never all of them (training keeps every outcome it had). The shuffle has its own RNG seeded from
+    ``seed``: the same split on every run and every resume, and no training RNG stream moves.
+    """
+    if fraction <= 0:
+        return []
+    chosen: set[tuple[bool, str]] = set()
+    for won in (False, True):
+        ids = sorted({sample.episode_id for sample in samples if sample.won == won})
+        if not ids:
+            continue
+        random.Random(f"qevolve critic held-out split {seed} {int(won)}").shuffle(ids)
+        count = min(max(math.floor(fraction * len(ids) + 0.5), 1 if len(ids) >= 2 else 0), len(ids) - 1)
+        chosen.update((won, episode_id) for episode_id in ids[:count])
+    return [i for i, sample in enumerate(samples) if (sample.won, sample.episode_id) in chosen]
+
+
+def roc_auc(positive: np.ndarray, negative: np.ndarray) -> float:
+    """P(a positive scores above a negative), ties counting one half (Mann-Whitney); nan without both."""
+    if not len(positive) or not len(negative):
+        return float("nan")
+    values = np.concatenate([positive, negative])
+    order = np.argsort(values, kind="stable")
+    _, first, counts = np.unique(values[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(values))
+    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)  # 1-based ranks, ties share their mean
+    return float((ranks[: len(positive)].sum() - len(positive) * (len(positive) + 1) / 2)
+                 / (len(positive) * len(negative)))
+
+
 def frozen_features(critic: Critic, samples: list[CriticSample], config: CriticConfig, init_path: Path,
                     device: torch.device, progress: bool) -> Features:
     """The frozen backbone's hidden states of every sample, from the disk cache when possible."""
@@ -89,6 +127,14 @@ def _batch_features(critic: Critic, batch: list[CriticSample], indices: list[int
         return (torch.cat([features[i][0] for i in indices]).to(device),
                 torch.cat([features[i][1] for i in indices]).to(device))
     return encode_batch(critic.backbone, batch, device, critic.compute_dtype)
+
+
+def _head_outputs(critic: Critic, v_features: torch.Tensor, q_features: torch.Tensor,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V [N], every online Q head [heads, N] and the target Qbar [N] of hidden states read at V and Q positions."""
+    q_features = q_features.to(device)
+    return (critic.heads.value(v_features.to(device)), critic.heads.q_values(q_features),
+            critic.target_q_min(q_features))
 
 
 def _epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -119,6 +165,48 @@ def _epoch_metrics(epoch: int, acc: dict[str, Any], global_step: int) -> dict[st
     }
 
 
+HELDOUT_KEYS = ("heldout_loss_v", "heldout_loss_q", "heldout_v_success", "heldout_v_failure", "heldout_v_mean",
+                "heldout_explained_variance", "heldout_auc_won_vs_lost")
+
+
+@torch.no_grad()
+def _heldout_metrics(critic: Critic, samples: list[CriticSample], features: Features | None, config: CriticConfig,
+                     device: torch.device) -> dict[str, float]:
+    """The in-sample metrics of :func:`_epoch_metrics` on the held-out trajectories, from one extra pass
+    after the epoch (the heads as they ended it), plus the AUC of V at the first turn, won vs not won.
+
+    ``features``: the frozen backbone's cached hidden states of ``samples``; None = read them from the
+    (trained) backbone. No gradient, and the RNG state is restored afterwards, so training goes on
+    exactly as without this pass."""
+    if not samples:
+        return {key: float("nan") for key in HELDOUT_KEYS}
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        if features is None:
+            features = extract_features(critic.backbone, samples, config.batch_tokens, device, critic.compute_dtype,
+                                        progress=False, desc="held-out hidden states")
+        values, q_values, target_q = _head_outputs(critic, torch.cat([f[0] for f in features]),
+                                                   torch.cat([f[1] for f in features]), device)
+    iql = config.iql
+    losses = iql_losses(values, q_values, target_q, samples, iql.expectile, iql.gamma, iql.truncated_bootstrap)
+    values_np = values.double().cpu().numpy()
+    returns = torch.cat([s.mc_returns for s in samples]).double().numpy()
+    success = np.concatenate([np.full(s.num_turns, s.success) for s in samples])
+    starts = np.cumsum([0] + [s.num_turns for s in samples[:-1]])
+    first = values_np[starts]  # V(s_0) of each trajectory
+    won = np.array([s.won for s in samples])
+    return {
+        # means over the held-out transitions (the in-sample losses average the epoch's batch means)
+        "heldout_loss_v": float(losses["loss_v"]),
+        "heldout_loss_q": float(losses["loss_q"]),
+        "heldout_v_success": float(values_np[success].mean()) if success.any() else float("nan"),
+        "heldout_v_failure": float(values_np[~success].mean()) if (~success).any() else float("nan"),
+        "heldout_v_mean": float(values_np.mean()),
+        "heldout_explained_variance": explained_variance(values_np, returns),
+        "heldout_auc_won_vs_lost": roc_auc(first[won], first[~won]),
+    }
+
+
 #: a mean V that still moves by more than this from one epoch to the next means the critic has not
 #: converged: IQL's values propagate back from the rewards one bootstrap per target-network lag, so a
 #: buffer with few steps per epoch needs more epochs (or a faster ``iql.polyak``). Measured on the
@@ -146,11 +234,13 @@ def _write_metrics(folder: Path, history: list[dict[str, Any]]) -> None:
     os.replace(tmp, folder / METRICS_FILE)
 
 
-def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprint: str) -> str | None:
+def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprint: str,
+              heldout: list[str]) -> str | None:
     """Why ``state`` cannot be resumed with this config and buffer (None when it can)."""
     if state.get("format") != FORMAT_VERSION:
         return f"state format {state.get('format')}, expected {FORMAT_VERSION}"
     saved = dict(state["config"])
+    saved.setdefault("heldout_fraction", 0.0)  # a state written before the field existed held nothing out
     current = config.model_dump(mode="json")
     # Fields that may change between attempts (e.g. more epochs to extend training, another device).
     for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir", "distributed"):
@@ -163,6 +253,8 @@ def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprin
         return f"backbone init differs ({state['init']} vs {init})"
     if state["fingerprint"] != fingerprint:
         return "the buffer differs (tokens, rewards or weights)"
+    if sorted(state.get("heldout", [])) != sorted(heldout):  # the split also reads each episode's `won`
+        return "the held-out trajectories differ (an episode's won flag changed)"
     return None
 
 
@@ -200,7 +292,12 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     samples = critic_samples(episodes, config)
     if not samples:
         raise ValueError("critic: the buffer holds no episodes")
-    fingerprint = buffer_fingerprint(samples)
+    fingerprint = buffer_fingerprint(samples)  # of the whole buffer, held-out trajectories included
+    held = heldout_indices(samples, config.heldout_fraction, config.seed)
+    heldout_ids = [samples[i].episode_id for i in held]
+    if config.heldout_fraction > 0 and not held:
+        log(f"WARNING: critic: heldout_fraction={config.heldout_fraction} holds out no trajectory of "
+            f"{len(samples)} (each outcome keeps at least one to train on); the heldout_* metrics are nan")
     if dist.is_main:
         (output / "config.yaml").write_text(dump_config(config))
 
@@ -216,7 +313,7 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
     state_path = output / STATE_FILE
     if state_path.is_file() and not restart:
         state = load_state(state_path)
-        reason = _same_run(state, config, str(init_path), fingerprint)
+        reason = _same_run(state, config, str(init_path), fingerprint, heldout_ids)
         if reason:
             raise ValueError(f"{state_path}: cannot resume ({reason}); use another output folder or restart")
         critic.heads.load_state_dict(state["heads"])
@@ -237,12 +334,20 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             "fingerprint": fingerprint, "epoch": epoch, "batch": batch_done, "global_step": global_step,
             "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
             "backbone": critic.trainable_backbone_state(), "optimizer": optimizer.state_dict(),
-            "rng": torch.get_rng_state(), "history": history, "accumulator": acc,
+            "rng": torch.get_rng_state(), "history": history, "accumulator": acc, "heldout": heldout_ids,
         }, state_path)
 
     with main_first(dist):  # rank 0 fills the feature cache, the others read it
         features = frozen_features(critic, samples, config, init_path, device, progress) \
             if config.backbone == "frozen" else None
+    heldout_samples: list[CriticSample] = [samples[i] for i in held]
+    heldout_features = [features[i] for i in held] if features is not None else None
+    if held:  # from here on `samples` (and `features`) are the training trajectories only
+        keep = sorted(set(range(len(samples))) - set(held))
+        samples = [samples[i] for i in keep]
+        features = [features[i] for i in keep] if features is not None else None
+        log(f"critic: {len(heldout_samples)} of {len(samples) + len(heldout_samples)} trajectories held out "
+            f"(heldout_fraction={config.heldout_fraction}), {len(samples)} train")
     if config.feature_norm and global_step == 0:  # fitted once, before the first step; then saved with the heads
         subset = sorted(_epoch_order(len(samples), config.seed, -1)[: config.feature_norm_trajectories])
         fit_on = features if features is not None else extract_features(
@@ -331,11 +436,14 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
                 return {"finished": False, "global_step": global_step, "history": history, "output": str(output)}
         bar.close()
         metrics = _epoch_metrics(epoch, acc, global_step)
+        if config.heldout_fraction > 0:
+            metrics.update(_heldout_metrics(critic, heldout_samples, heldout_features, config, device))
         history.append(metrics)
         if dist.is_main:
             _write_metrics(output, history)
         log("epoch {epoch}: loss_v {loss_v:.4f} loss_q {loss_q:.4f} V(success) {v_success:.3f} "
-            "V(failure) {v_failure:.3f} explained variance {explained_variance:.3f}".format(**metrics))
+            "V(failure) {v_failure:.3f} explained variance {explained_variance:.3f}".format(**metrics)
+            + (" (held-out {heldout_explained_variance:.3f})".format(**metrics) if held else ""))
         epoch, batch_done, acc = epoch + 1, 0, _new_accumulator()
         save_state()
 
@@ -348,14 +456,19 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
             "init_relative": relative_to_folder(init_path, output),  # survives moving the run folder
             "fingerprint": fingerprint, "hidden_size": critic.heads.v[0].in_features,
             "heads": critic.heads.state_dict(), "target_q": critic.target_q.state_dict(),
-            "backbone": critic.trainable_backbone_state(), "history": history,
+            "backbone": critic.trainable_backbone_state(), "history": history, "heldout": heldout_ids,
         }, output / CRITIC_FILE)
     dist.barrier()  # the critic is on disk for every rank
     warning = unconverged_warning(history)
     if warning:
         log(f"WARNING: {warning}")
-    return {"finished": True, "converged": warning is None, "global_step": global_step, "history": history,
-            "output": str(output), "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
+    summary = {"finished": True, "converged": warning is None, "global_step": global_step, "history": history,
+               "output": str(output), "episodes": len(samples), "turns": sum(s.num_turns for s in samples)}
+    if config.heldout_fraction > 0:  # the trained-on counts above; the held-out fit of the last epoch
+        summary.update({"heldout_episodes": len(heldout_samples),
+                        "heldout_turns": sum(s.num_turns for s in heldout_samples),
+                        **{key: history[-1][key] for key in HELDOUT_KEYS if history and key in history[-1]}})
+    return summary
 
 
 def load_critic(folder: str | Path, device: str | None = None) -> Critic:
@@ -403,12 +516,9 @@ def predict_values(critic: Critic, samples: list[CriticSample], progress: bool =
                                     critic.compute_dtype, progress=progress)
     results = []
     for sample, (v_features, q_features) in zip(samples, features):
-        values = critic.heads.value(v_features.to(device)).double().cpu().numpy()
-        if q_source == "target":
-            q_values = critic.target_q_min(q_features.to(device))
-        else:
-            q_values = critic.heads.q_values(q_features.to(device)).min(dim=0).values
-        q_values = q_values.double().cpu().numpy()
+        values, q_heads, target_q = _head_outputs(critic, v_features, q_features, device)
+        values = values.double().cpu().numpy()
+        q_values = (target_q if q_source == "target" else q_heads.min(dim=0).values).double().cpu().numpy()
         for name, array in (("V", values), ("Q", q_values)):
             if not np.isfinite(array).all():
                 turn = int(np.flatnonzero(~np.isfinite(array))[0])
