@@ -179,6 +179,26 @@ def test_a_run_with_missing_trajectories_still_reports(tmp_path):
     assert len([1 for _, kind, _ in _svgs(page) if kind == "methods"]) == 2  # the bars, without whiskers
 
 
+def test_the_critic_held_out_fit_is_drawn_beside_the_in_sample_one(tmp_path):
+    root = make_run(tmp_path)
+    history = root / "iter_1" / "critic" / "metrics.jsonl"
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    for row in rows:  # the held-out fit falls as the in-sample one rises (overfitting)
+        row.update(heldout_explained_variance=0.2 - 0.01 * row["epoch"], heldout_v_success=0.5)
+    history.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    page = build_report(root, resamples=100).read_text()
+    start = page.index("<h3 id='training-iter_1/critic'>")
+    block = page[start:page.index("<h3", start + 5)]
+    main = block.split("<details class='more'>")[0]
+    plots = {svg.get("aria-label"): svg for _, _, svg in _svgs(main)}
+    assert "explained variance of V (in-sample)" not in plots
+    panel = plots["explained variance of V"]
+    assert [t.text for t in panel.iter("text") if t.get("class") == "legend"] == ["in-sample", "held-out"]
+    polylines = panel.findall(".//polyline")
+    assert len(polylines) == 2 and all(len(p.get("points").split()) == len(rows) for p in polylines)
+    assert "other curves (1): critic/heldout_v_success" in block  # the other held-out numbers: collapsed
+
+
 def _chromium(tmp_path, *args):
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",

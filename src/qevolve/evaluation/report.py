@@ -59,10 +59,14 @@ TRAINING_PANELS: list[tuple[str, list[str]]] = [
     ("critic V loss (expectile)", ["critic/loss_v"]),
     ("critic Q loss (TD)", ["critic/loss_q"]),
     ("V by episode outcome", ["critic/v_success", "critic/v_failure", "critic/v_mean"]),
-    ("explained variance of V (in-sample)", ["critic/explained_variance"]),
+    ("explained variance of V", ["critic/explained_variance", "critic/heldout_explained_variance"]),
     ("gradient norm", ["train/grad_norm", "policy/grad_norm"]),
     ("learning rate", ["train/lr"]),
 ]
+
+#: legend entries of curves that measure one quantity on different data; a panel showing only one of
+#: them names it in its title instead, since a single curve has no legend
+SERIES_LABELS = {"critic/explained_variance": "in-sample", "critic/heldout_explained_variance": "held-out"}
 
 MAX_CURVE_POINTS = 500  # longer curves are drawn as means of consecutive steps (the page stays small)
 
@@ -524,6 +528,8 @@ def _thin(points: list[tuple[int, float]], limit: int = MAX_CURVE_POINTS) -> tup
 
 
 def _series_label(tag: str) -> str:
+    if tag in SERIES_LABELS:
+        return SERIES_LABELS[tag]
     group, _, name = tag.partition("/")
     return f"{name} (held-out)" if group == "eval" else (name or tag)
 
@@ -559,6 +565,8 @@ def training_panels(series: dict[str, list[tuple[int, float]]], axis: str) -> tu
             lines.append(Line(_series_label(tag), SERIES_COLOURS[i % len(SERIES_COLOURS)], points,
                               dots=len(points) <= 30))
         x_label = axis + (f" (means of {thinned} {axis}s)" if thinned > 1 else "")
+        if len(present) == 1 and present[0] in SERIES_LABELS:
+            title = f"{title} ({SERIES_LABELS[present[0]]})"
         main.append(line_chart(title, lines, x_label=x_label, legend=len(lines) > 1, width=310, height=200,
                                kind="training"))
     more = []
