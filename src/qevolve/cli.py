@@ -440,6 +440,8 @@ def critic_command(
                f"-> {output}")
     summary = train_critic(episodes, cfg, output, restart=restart, progress=progress, log=typer.echo)
     columns = ["epoch", "loss_v", "loss_q", "v_success", "v_failure", "explained_variance", "seconds"]
+    if cfg.heldout_fraction > 0:  # the held-out fit beside the in-sample one
+        columns[-1:-1] = ["heldout_explained_variance", "heldout_auc_won_vs_lost"]
     print_table(summary["history"], columns)
     typer.echo(f"wrote {output / 'critic.pt'}")
 
