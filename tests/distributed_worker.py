@@ -84,7 +84,9 @@ def main(spec_path: str) -> None:
         torch.nn.utils.clip_grad_norm_ = clip_and_keep
         summary = train_critic(read_episodes(spec["buffer"]), CriticConfig.model_validate(spec["config"]),
                                spec["output"], progress=False, stop_after_steps=spec.get("stop"))
-        losses = [[row["loss_v"], row["loss_q"], row["explained_variance"]] for row in summary["history"]]
+        losses = [[row["loss_v"], row["loss_q"], row["explained_variance"]]
+                  + [row[key] for key in ("heldout_loss_v", "heldout_explained_variance") if key in row]
+                  for row in summary["history"]]
         steps = summary["global_step"]
     else:
         raise SystemExit(f"unknown stage {stage!r}")

@@ -186,7 +186,9 @@ def test_bppo_ddp_under_accelerate_launch_equals_one_process(alfworld_experts, t
 
 
 @pytest.mark.slow
-def test_critic_ddp_step_equals_one_process(tmp_path):
+@pytest.mark.parametrize("heldout_fraction", [0.0, 0.3])
+def test_critic_ddp_step_equals_one_process(tmp_path, heldout_fraction):
+    """Also with trajectories held out: every rank trains on the same ones and measures the same fit."""
     from qevolve.critic.testing import save_tiny_llama, synthetic_buffer
 
     model = save_tiny_llama(tmp_path / "tiny", seed=0)
@@ -195,12 +197,13 @@ def test_critic_ddp_step_equals_one_process(tmp_path):
     def spec(output: Path, **changes) -> dict:
         config = {"init": str(model), "dtype": "float32", "device": "cpu", "epochs": 2, "batch_tokens": 256,
                   "lr": 3e-3, "head_hidden": 32, "feature_cache_dir": str(tmp_path / "features"),
-                  "checkpoint_every_steps": 2, **changes}
+                  "checkpoint_every_steps": 2, "heldout_fraction": heldout_fraction, **changes}
         return {"stage": "critic", "config": config, "buffer": str(buffer), "output": str(output)}
 
     (one,) = launch(tmp_path, "ws1", spec(tmp_path / "a"), 1)
     two = launch(tmp_path, "ws2", spec(tmp_path / "b", distributed={"backend": "ddp"}), 2)
-    assert_same_step(one, two)  # per-epoch loss_v, loss_q, explained variance; first-step gradients
+    assert_same_step(one, two)  # per-epoch loss_v, loss_q, explained variance (held-out too); first-step gradients
+    assert len(one["losses"][0]) == (5 if heldout_fraction else 3)
     assert (tmp_path / "b" / "critic.pt").is_file() and (tmp_path / "b" / "metrics.jsonl").is_file()
 
 
