@@ -58,8 +58,8 @@ class ScalarLog:
             self._handle = None
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
-    """The parseable lines of a jsonl file that carry a step (a line cut by a kill is skipped)."""
+def _lines(path: Path, key: str = "step") -> list[dict[str, Any]]:
+    """The parseable lines of a jsonl file that carry a numeric ``key`` (a line cut by a kill is skipped)."""
     out = []
     with open(path) as handle:
         for text in handle:
@@ -67,7 +67,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
                 line = json.loads(text)
             except json.JSONDecodeError:
                 continue
-            if isinstance(line, dict) and isinstance(line.get("step"), (int, float)):
+            if isinstance(line, dict) and isinstance(line.get(key), (int, float)) and not isinstance(line[key], bool):
                 out.append(line)
     return out
 
@@ -89,17 +89,8 @@ def read_scalars(path: str | Path) -> Series:
 
 def read_critic_history(path: str | Path) -> Series:
     """The critic's per-epoch history (``metrics.jsonl``) as curves ``critic/<key>`` over the epoch."""
-    rows = []
-    with open(path) as handle:
-        for text in handle:
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(line, dict) and isinstance(line.get("epoch"), int):
-                rows += [(line["epoch"], f"critic/{key}", value) for key, value in line.items()
-                         if key not in _CRITIC_NON_CURVES]
-    return _series(rows)
+    return _series([(line["epoch"], f"critic/{key}", value) for line in _lines(Path(path), "epoch")
+                    for key, value in line.items() if key not in _CRITIC_NON_CURVES])
 
 
 def read_event_scalars(folder: str | Path) -> Series:
