@@ -111,6 +111,8 @@ def call_environment(env_name: str, call: str, fn: Callable[..., Any], *args: An
     'valid' (game.py:21)``; without it a user sees only ``error: valid``."""
     import traceback
 
+    if env_name in _BUILTIN_MODULES:  # the built-in environments' errors are one-line messages already
+        return fn(*args, **kwargs)
     try:
         return fn(*args, **kwargs)
     except EnvironmentContractError:
