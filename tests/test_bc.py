@@ -145,8 +145,11 @@ def test_bad_config_values_fail_at_start_with_the_field_name(tmp_path, expert_fi
     # Expert turns without thoughts cannot train the thought/action format.
     cfg = bc_config(tiny_model_dir, expert_file, tmp_path / "run")
     cfg.prompt.turn_format = "thought_action"
-    with pytest.raises(ValueError, match="is not in prompt.turn_format .thought_action.*action for turns without thoughts"):
+    with pytest.raises(ValueError, match="is not in prompt.turn_format .thought_action.*the demonstrations have no "
+                                         "thoughts: set prompt.turn_format=action .*expert_actions.. that returns "
+                                         r"\(thought, action\) pairs") as error:
         run_bc(cfg, log=lambda m: None)
+    assert "auto" not in str(error.value)  # auto is what picks thought_action for such an environment
     cfg = bc_config(tiny_model_dir, tmp_path / "missing.parquet", tmp_path / "run2")
     with pytest.raises(FileNotFoundError, match="data.train_path"):
         run_bc(cfg, log=lambda m: None)

@@ -28,6 +28,50 @@ def test_env_play_writes_the_episode_of_a_crashed_worker(tmp_path):
     assert not by_id["ok1"].failed and by_id["ok1"].failure_reason is None
 
 
+def test_an_exception_in_step_keeps_the_turns_played_before_it_and_names_the_action(tmp_path):
+    # "bad" raises in the counter's step (int("bad")): the scripted episode fails at its third turn
+    jobs = [EpisodeJob("count-5", ReplayPolicy(["next", "next", "wait bad", "next"]), split="train",
+                       episode_id="raised"),
+            EpisodeJob("count-1", WalkthroughPolicy(), split="train", episode_id="ok")]
+    result = play_jobs(COUNTER, jobs, split="train", num_workers=1, progress=False)
+    assert result.metrics["failed"] == 1 and result.metrics["won"] == 1
+    assert result.failures[0][0] == "count-5"
+    assert result.failures[0][1].startswith("at turn 3 (action 'wait bad'): ValueError: could not convert string "
+                                            "to float: 'bad'")
+    by_id = {ep.episode_id: ep for ep in read_episodes(write_episodes(tmp_path / "play.parquet", result.episodes))}
+    raised = by_id["raised"]
+    assert raised.failed and not raised.won and raised.score == 0.0
+    assert [t.action for t in raised.turns] == ["next", "next"]  # the turns before the exception
+    assert [t.observation.split(" pid")[0] for t in raised.turns] == ["Your task is to: count to 5.", "count 1"]
+    assert by_id["ok"].won and not by_id["ok"].failed
+
+
+def test_the_console_names_the_turn_and_action_of_the_first_failure(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from qevolve import cli
+
+    game = tmp_path / "unlucky_counter.py"
+    game.write_text("from qevolve.environments.testing import QuietCounterEnv\n\n\n"
+                    "class Unlucky(QuietCounterEnv):\n"
+                    "    def step(self, action):\n"
+                    "        if self.count == 2:\n"
+                    "            raise ZeroDivisionError('three is unlucky')\n"
+                    "        return super().step(action)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["qevolve", "env", "play", "unlucky_counter:Unlucky", "--split", "train",
+                                      "--workers", "1", "--output", str(tmp_path / "x.parquet")])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    out = capsys.readouterr().out
+    assert exit_info.value.code is None or exit_info.value.code == 0, out
+    # count-1 and count-2 are won; count-3..5 raise at their third step
+    assert "3 of 5 episodes failed; first, task 'count-3', at turn 3 (action 'next'): ZeroDivisionError: three is " \
+           "unlucky" in out
+    episodes = {ep.task_id: ep for ep in read_episodes(tmp_path / "x.parquet")}
+    assert [t.action for t in episodes["count-4"].turns] == ["next", "next"] and episodes["count-4"].failed
+
+
 def test_rollouts_write_failed_episodes_with_their_reason(tiny_model_dir, tmp_path):
     import json
 
@@ -44,8 +88,9 @@ def test_rollouts_write_failed_episodes_with_their_reason(tiny_model_dir, tmp_pa
                            agent=AgentConfig(batch_size=2, num_workers=1, max_new_tokens=4, max_turns=3,
                                              format_error_policy="noop", noop_action="crash"))
     # By default a run in which every episode failed stops, quoting the first failure, after writing them.
-    with pytest.raises(FailedEpisodesError, match=r"every episode failed .*task 'count-1': worker \d+ died "
-                                                  r"\(exit code 17\)"):
+    # the first failure names the turn and the action the environment died on
+    with pytest.raises(FailedEpisodesError, match=r"every episode failed .*task 'count-1', at turn 1 \(action "
+                                                  r"'crash'\): worker \d+ died \(exit code 17\)"):
         run_eval(config, tmp_path / "strict", progress=False)
     recorded = json.loads((tmp_path / "strict" / "metrics.json").read_text())
     assert recorded["failed_episodes"] == 2 and recorded["first_failure"]["task"] == "count-1"

@@ -74,6 +74,12 @@ def cases(env) -> list[tuple[str, list[str], str, object]]:
         if not cut.exists():
             truncated_copy(env["model"], cut)
 
+    stage = tmp / "runs" / "old" / "iter_1" / "policy"
+
+    def policy_stage():
+        if not stage.exists():
+            shutil.copytree(env["model"], stage / "final")
+
     def corrupt_manifest():
         (root / "manifest.json").write_text('{"config": {"name": ')
 
@@ -98,6 +104,9 @@ def cases(env) -> list[tuple[str, list[str], str, object]]:
                                        "--output", str(tmp / "e")], "bad/no_ckpt", None),
         ("hub name without opting in", ["eval", "--checkpoint", "HuggingFaceTB/SmolLM2-135M-Instruct", "--env", ENV,
                                         "--output", str(tmp / "e")], "model.hub=true", None),
+        ("a training stage's folder, not its saved policy", ["eval", "--checkpoint", "runs/old/iter_1/policy",
+                                                              "--env", ENV, "--output", str(tmp / "e")],
+         "did you mean 'runs/old/iter_1/policy/final'?", policy_stage),
         ("safetensors file cut in half", ["eval", "--checkpoint", str(cut), "--env", ENV, "--output", str(tmp / "e")],
          "cut_ckpt/model.safetensors", cut_model),
         ("evolve: init_checkpoint cut in half", [*evolve, "name=r2", f"init_checkpoint={cut}"],

@@ -333,3 +333,181 @@ def test_penalties_and_demonstrations_come_from_the_environment_class(tmp_path, 
     assert {job.policy.source for job in jobs} == {"expert"}
     with pytest.raises(KeyError, match=r"has no expert demonstrations: implement expert_actions\(\)"):
         get_expert_source("declared_rooms:NoExpert")
+
+
+def doc_thinking_snippet() -> str:
+    """The doc's thought_action variant of the game (a python block that is not a file of its own)."""
+    (snippet,) = [body for lang, body in doc_blocks() if lang == "python" and "rooms_thinking" in body]
+    return snippet
+
+
+def test_a_thought_action_expert_gives_each_step_its_thought(tmp_path, capsys, monkeypatch):
+    from qevolve.environments.turn_format import parse_turn
+    from qevolve.policy.bc import _check_turn_format
+
+    site = write_game(tmp_path / "site", "thinking_rooms", "\n\n" + doc_thinking_snippet())
+    monkeypatch.syspath_prepend(str(site))
+    code, out, err = run_cli(["data", "expert", "thinking_rooms:rooms_thinking", "--split", "test", "--workers", "1",
+                              "--output", str(tmp_path / "experts")], capsys, monkeypatch)
+    assert code in (None, 0), err
+    episodes = read_episodes(tmp_path / "experts")
+    assert len(episodes) == 3 and all(ep.won for ep in episodes)
+    first = episodes[0].turns[0]
+    assert first.agent_text == f"Thought: What I need next is in the {first.action[6:]}.\nAction: {first.action}"
+    assert all(parse_turn(t.agent_text, "thought_action").format_valid for ep in episodes for t in ep.turns)
+    assert [t.action for t in episodes[0].turns][-1] == "open chest"
+    _check_turn_format(episodes, "thought_action", "experts")  # what behaviour cloning then accepts
+
+
+def test_a_thought_action_expert_without_thoughts_is_refused_before_anything_is_played(tmp_path, capsys,
+                                                                                       monkeypatch):
+    site = write_game(tmp_path / "site", "thoughtless_rooms", """
+        @register_environment("thoughtless")
+        class Thoughtless(RoomsEnv):
+            turn_format = "thought_action"
+        """)
+    monkeypatch.syspath_prepend(str(site))
+    code, out, err = run_cli(["data", "expert", "thoughtless_rooms:thoughtless", "--output", str(tmp_path / "x")],
+                             capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: environment 'thoughtless_rooms:thoughtless': its turn_format is thought_action, "
+                          "but expert_actions() for task 'train-0' gave the action 'go to kitchen' without a thought; "
+                          "return (thought, action) pairs, or set turn_format = \"action\" on the class")
+    assert not (tmp_path / "x").exists()  # nothing written, so a fixed game starts from scratch
+    # playing the plan is still fine: env play measures the expert, it trains nothing
+    code, out, err = run_cli(["env", "play", "thoughtless_rooms:thoughtless", "--split", "test", "--workers", "1"],
+                             capsys, monkeypatch)
+    assert code in (None, 0) and "| 3 " in out, err
+
+
+def test_plan_steps_are_actions_or_thought_action_pairs():
+    from qevolve.environments.play import play_jobs
+    from qevolve.environments.pool import EpisodeJob
+    from qevolve.environments.policies import ReplayPolicy, split_plan
+
+    assert split_plan(["a", ("why", "b")]) == (["a", "b"], [None, "why"])
+    with pytest.raises(ValueError, match=r"expert_actions\(\) step 1: \('why', 'b', 'c'\); expected an action "
+                                         r"string or a \(thought, action\) pair"):
+        split_plan(["a", ("why", "b", "c")])
+    with pytest.raises(ValueError, match=r"expert_actions\(\) returned str; expected a list"):
+        split_plan("go north")
+    # an action-format game writes a given thought's step as its action alone
+    jobs = [EpisodeJob("count-2", ReplayPolicy([("one", "next"), "next"]), split="train")]
+    result = play_jobs("qevolve.environments.testing:CounterEnv", jobs, split="train", num_workers=1,
+                       progress=False)
+    assert [t.agent_text for t in result.episodes[0].turns] == ["Action: next", "Action: next"]
+
+
+def test_an_exception_in_the_users_code_in_the_main_process_names_the_environment_and_call(tmp_path, capsys,
+                                                                                          monkeypatch):
+    site = write_game(tmp_path, "rooms_game", """
+        @register_environment("keyed")
+        class Keyed(RoomsEnv):
+            def __init__(self, split: str = "train"):  # accepts any split; tasks() then looks it up
+                super().__init__("train")
+        """)
+    monkeypatch.syspath_prepend(str(site))
+    code, out, err = run_cli(["env", "play", "rooms_game:keyed", "--split", "valid"], capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1
+    assert re.fullmatch(r"error: environment 'rooms_game:keyed': tasks\('valid'\) raised KeyError: 'valid' "
+                        r"\(rooms_game.py:\d+\)\n", err), err
+    # the constructor: the doc's example, from the doc's own game
+    (example,) = re.findall(r"`(error: environment 'rooms_game:rooms': RoomsEnv\(split='valid'\) raised .*?)`",
+                            DOC.read_text())
+    code, out, err = run_cli(["env", "play", "rooms_game:rooms", "--split", "valid"], capsys, monkeypatch)
+    assert code == 2 and err.strip() == example
+    # without --split the default split is asked for, and the error says so
+    code, out, err = run_cli(["env", "play", "rooms_game:rooms"], capsys, monkeypatch)
+    assert code == 2 and "RoomsEnv(split='unseen') raised ValueError" in err
+    assert err.strip().endswith("--split was not given, so the default split 'unseen' was asked for: pass "
+                                "--split SPLIT")
+
+
+def test_evolve_names_the_environment_not_a_split_for_a_constructor_without_split(tmp_path, monkeypatch):
+    from qevolve.config import load_config
+    from qevolve.evolve.loop import EvolveConfig, validate_inputs
+
+    write_game(tmp_path / "site", "nosplit_evolve", """
+        class NoSplit(RoomsEnv):
+            def __init__(self, seed: int = 0):
+                super().__init__()
+        """)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    config = load_config(EvolveConfig, None, ["env=nosplit_evolve:NoSplit", "rollout.split=train",
+                                              "critic.retrospective.enabled=false"])
+    with pytest.raises(ValueError) as error:
+        validate_inputs(config)
+    assert str(error.value).startswith("env 'nosplit_evolve:NoSplit': NoSplit(seed=0) does not accept the keyword "
+                                       "argument split=")
+
+
+@pytest.mark.parametrize("command", ["eval", "rollout"])
+def test_a_stage_folder_given_as_checkpoint_is_refused_before_anything_is_written(command, tiny_model_dir, tmp_path,
+                                                                                 capsys, monkeypatch):
+    import shutil
+
+    stage = tmp_path / "runs" / "rooms" / "iter_1" / "policy"
+    shutil.copytree(tiny_model_dir, stage / "final")
+    monkeypatch.chdir(tmp_path)
+    write_game(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_cli([command, "--checkpoint", "runs/rooms/iter_1/policy", "--env", "rooms_game:rooms",
+                              "--split", "test"], capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1
+    assert err == ("error: --checkpoint 'runs/rooms/iter_1/policy': not a saved policy (the folder holds neither "
+                   "config.json nor adapter_config.json); did you mean 'runs/rooms/iter_1/policy/final'?\n")
+    assert not (tmp_path / "runs" / "eval").exists() and not (tmp_path / "runs" / "rollouts").exists()
+
+
+def test_the_default_eval_folder_of_a_module_environment_has_no_colon(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_game(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_cli(["eval", "--checkpoint", str(tiny_model_dir), "--env", "rooms_game:rooms", "--split",
+                              "test", "--limit", "1", "agent.max_turns=1", "agent.max_new_tokens=4",
+                              "agent.num_workers=1", "prompt.max_prompt_tokens=512",
+                              "prompt.reserve_action_tokens=8"], capsys, monkeypatch)
+    assert code in (None, 0), err
+    assert [p.name for p in (tmp_path / "runs" / "eval").iterdir()] == ["rooms_game_rooms-test"]
+    assert (tmp_path / "runs" / "eval" / "rooms_game_rooms-test" / "metrics.json").is_file()
+
+
+def test_ctrl_c_stops_env_play_without_tracebacks_from_starting_workers(tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C in a terminal does) while the environment workers
+    start: the main process stops them and exits 130 with one line; the workers print nothing."""
+    import signal
+    import time
+
+    write_game(tmp_path)
+    # The CLI run from a script that, imported again as the main module of a starting worker (what the
+    # spawn start method does), says so and waits: the signal then arrives during the worker's start-up.
+    (tmp_path / "run_cli.py").write_text(textwrap.dedent("""
+        import os, sys, time
+        from pathlib import Path
+
+        if __name__ == "__mp_main__":
+            Path(f"worker-{os.getpid()}.started").touch()
+            time.sleep(60)
+        from qevolve.cli import main
+
+        if __name__ == "__main__":
+            main()
+        """))
+    import qevolve
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(qevolve.__file__).resolve().parents[1]), str(tmp_path),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "run_cli.py", "env", "play", "rooms_game:rooms", "--split", "train",
+                                "--workers", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while len(list(tmp_path.glob("worker-*.started"))) < 2 and process.poll() is None:
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip() == "interrupted by SIGINT" and process.returncode == 130

@@ -49,6 +49,25 @@ def test_sharded_folder_and_summary(tmp_path):
     assert row["format_error_rate"] == pytest.approx(1 / 3)
 
 
+def test_a_stage_folder_holding_one_parquet_file_reads_as_that_file(tmp_path):
+    # a run's label stage: runs/NAME/iter_1/label holds labelled.parquet, not part-* shards
+    stage = tmp_path / "label"
+    write_episodes(stage / "labelled.parquet", [make_episode(0), make_episode(1)], {"kind": "labelled"})
+    assert [ep.episode_id for ep in read_episodes(stage)] == ["ep0", "ep1"]
+    assert read_metadata(stage)["kind"] == "labelled"
+    # two files: which one is meant is not guessed
+    write_episodes(stage / "other.parquet", [make_episode(2)])
+    with pytest.raises(StoreError, match=r"label: folder holds no part-\*.parquet shards but several .parquet files "
+                                         r"\(labelled.parquet, other.parquet\); name one"):
+        read_episodes(stage)
+    # an evaluation stage keeps its shards one folder down
+    evaluation = tmp_path / "eval_test"
+    write_shard(evaluation / "trajectories", 0, [make_episode(3)])
+    with pytest.raises(StoreError, match=r"eval_test: folder holds no part-\*.parquet shards and no .parquet file; "
+                                         r"did you mean '.*eval_test/trajectories'\?"):
+        read_episodes(evaluation)
+
+
 def test_rejects_other_schema_version(tmp_path):
     path = write_episodes(tmp_path / "a.parquet", [make_episode(0)])
     table = pq.read_table(path)

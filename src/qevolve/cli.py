@@ -27,6 +27,7 @@ from qevolve.config import ConfigError  # noqa: E402
 from qevolve.data.install import DataInstallError  # noqa: E402
 from qevolve.evaluation.metrics import FailedEpisodesError  # noqa: E402
 from qevolve.evolve.run_dir import RunError  # noqa: E402
+from qevolve.paths import path_safe  # noqa: E402
 
 app = typer.Typer(help="Q-Evolve: self-evolving LLM agents with in-distribution optimisation.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -45,14 +46,27 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+@contextlib.contextmanager
+def stopped_by_ctrl_c(then: str | None = None) -> Iterator[None]:
+    """Ctrl-C (SIGINT) ends the command with one line and exit code 130, not a traceback (the
+    environment workers ignore SIGINT and are stopped by the pool as it unwinds)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted by SIGINT{'; ' + then if then else ''}", err=True)
+        raise typer.Exit(130) from None
+
+
 def echo_failures(episodes: int, failed: int, first: tuple[str, str] | None) -> None:
     """After a table: how many episodes failed and the first one's task and reason (its first line);
     exit 1 when every episode failed (the success rate above then measures the environment, not the policy)."""
     if not failed or first is None:
         return
+    from qevolve.evaluation.metrics import failure_at
+
     task, reason = first
-    typer.echo(f"{failed} of {episodes} episodes failed; first, task {task!r}: "
-               f"{(reason.strip().splitlines() or ['failed'])[0]}")
+    typer.echo(f"{failed} of {episodes} episodes failed; first, "
+               f"{failure_at(task, (reason.strip().splitlines() or ['failed'])[0])}")
     if failed >= episodes:
         typer.echo(f"error: every one of the {episodes} episodes failed (first failure above)", err=True)
         raise typer.Exit(1)
@@ -217,7 +231,8 @@ def _buffer_report(path: Path, compute: Callable[[list], dict], as_json: bool) -
 
 @data_app.command("advantages")
 def data_advantages(
-        path: Path = typer.Argument(..., help="a labelled trajectory file or sharded folder (`qevolve label`)"),
+        path: Path = typer.Argument(..., help="a labelled trajectory file or folder (`qevolve label`; or a "
+                                   "run's label stage, e.g. runs/NAME/iter_1/label)"),
         standardize: str = typer.Option("buffer", help="as the policy stage's standardize_advantages: buffer "
                                         "(its default), buffer_scale or none"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
@@ -236,7 +251,8 @@ def data_advantages(
 
 @data_app.command("critic-fit")
 def data_critic_fit(
-        path: Path = typer.Argument(..., help="a labelled trajectory file or sharded folder (`qevolve label`)"),
+        path: Path = typer.Argument(..., help="a labelled trajectory file or folder (`qevolve label`; or a "
+                                   "run's label stage, e.g. runs/NAME/iter_1/label)"),
         gamma: float = typer.Option(0.99, help="discount of the env return-to-go the values are compared with"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
     """How well the labelled V(s_t) predicts the discounted env return-to-go: overall, at the first turn, by turn."""
@@ -285,9 +301,10 @@ def data_expert(
         jobs, dropped = source_fn(split=split, limit=limit, **source_settings)
     output = output or data_dir() / "experts" / env
     typer.echo(f"{env}: {len(jobs)} demonstrations to replay ({len(dropped)} unusable) -> {output}")
-    report = generate_experts(env, output, jobs, dropped, {"split": split}, num_workers=workers,
-                              shard_size=shard_size, task_type=expert_task_type(env), retries=expert_retries(env),
-                              keep=expert_keep(env, **source_settings))
+    with stopped_by_ctrl_c("the same command continues it"):
+        report = generate_experts(env, output, jobs, dropped, {"split": split}, num_workers=workers,
+                                  shard_size=shard_size, task_type=expert_task_type(env),
+                                  retries=expert_retries(env), keep=expert_keep(env, **source_settings))
     summary = report.as_dict()
     (output / "report.json").write_text(json.dumps(summary, indent=1))
     typer.echo(f"kept {report.kept} demonstrations; dropped: {dict(report.dropped) or 'none'}")
@@ -308,7 +325,9 @@ def data_expert(
 @env_app.command("play")
 def env_play(
     env: str = typer.Argument(..., help="environment name"),
-    split: str = typer.Option("unseen", help="task split"),
+    split: Optional[str] = typer.Option(None, help="task split (default: unseen, the built-in environments' "
+                                        "evaluation split; your own environment's are the names its tasks() "
+                                        "knows)"),
     policy: str = typer.Option("walkthrough", help="expert | walkthrough | random (or env-specific, e.g. oracle)"),
     workers: int = typer.Option(2, help="environment worker processes"),
     limit: Optional[int] = typer.Option(None, help="only the first N tasks"),
@@ -320,13 +339,25 @@ def env_play(
     from qevolve.environments.experts import get_expert_source
     from qevolve.environments.play import play_jobs, scripted_jobs
 
-    if policy == "expert":
-        jobs, dropped = get_expert_source(env)(split=split, limit=limit)
-        if dropped:
-            typer.echo(f"{len(dropped)} tasks have no usable expert demonstration")
-    else:
-        jobs = scripted_jobs(env, split, policy, limit=limit, seed=seed)
-    result = play_jobs(env, jobs, split=split, num_workers=workers)
+    # Without --split: unseen, which an environment of your own may not have; the error then says so.
+    defaulted = "" if split is not None else \
+        "; --split was not given, so the default split 'unseen' was asked for: pass --split SPLIT"
+    split = split or "unseen"
+    try:
+        if policy == "expert":
+            jobs, dropped = get_expert_source(env)(split=split, limit=limit)
+            if dropped:
+                typer.echo(f"{len(dropped)} tasks have no usable expert demonstration")
+        else:
+            jobs = scripted_jobs(env, split, policy, limit=limit, seed=seed)
+    except ValueError as error:
+        if not defaulted:
+            raise
+        fail(f"{error}{defaulted}")
+    if not jobs and limit != 0:
+        fail(f"environment {env!r}: split {split!r} has no tasks{defaulted}")
+    with stopped_by_ctrl_c():
+        result = play_jobs(env, jobs, split=split, num_workers=workers)
     print_table([result.metrics])
     if output is not None:
         write_episodes(output, result.episodes, {"env": env, "split": split, "policy": policy})
@@ -581,6 +612,15 @@ def _rollout_config(config: Optional[Path], overrides: list[str], checkpoint: Op
     return load_config(RolloutConfig, config, extra)
 
 
+def _check_policy(cfg: Any, field: str) -> None:
+    """The policy folder is a saved policy, before anything is written (a run's stage folder, e.g.
+    ``iter_1/policy``, is not: its policy is in ``final``)."""
+    from qevolve.policy.model import check_checkpoint
+
+    if cfg.model.name_or_path != "default":
+        check_checkpoint(cfg.model.name_or_path, field, allow_hub=cfg.model.hub)
+
+
 @contextlib.contextmanager
 def _kept_failures(output: Path) -> Iterator[None]:
     """Adds to a failed-episodes error that the output folder keeps them: a rerun into it resumes and
@@ -608,7 +648,8 @@ def rollout(
     episodes_per_task: Optional[int] = typer.Option(None, help="episodes per task"),
     tasks: Optional[int] = typer.Option(None, "--tasks", help="only the first K tasks"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
-    output: Optional[Path] = typer.Option(None, help="trajectory folder (default: runs/rollouts/ENV-SPLIT)"),
+    output: Optional[Path] = typer.Option(None, help="trajectory folder (default: runs/rollouts/ENV-SPLIT, a ':' in "
+                                          "ENV written '_')"),
     show: bool = show_config_option(),
     defaults: bool = defaults_option(),
 ) -> None:
@@ -620,8 +661,9 @@ def rollout(
 
     show_config("rollout", RolloutConfig, show, defaults, build)
     cfg = build()
-    output = output or Path("runs/rollouts") / f"{cfg.env}-{cfg.split}"
-    with _kept_failures(output):
+    _check_policy(cfg, "--checkpoint" if checkpoint else "model.name_or_path")
+    output = output or Path("runs/rollouts") / path_safe(f"{cfg.env}-{cfg.split}")
+    with _kept_failures(output), stopped_by_ctrl_c("the same command continues it"):
         metrics = run_rollouts(cfg, output)
     print_table([{k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate", "mean_reward",
                                           "mean_turns", "format_error_rate", "invalid_action_rate", "wall_seconds")}])
@@ -684,8 +726,8 @@ def evaluate(
     env: Optional[str] = typer.Option(None, help="environment (default: the policy's, else alfworld)"),
     limit: Optional[int] = typer.Option(None, help="only the first N tasks (quick runs)"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML RolloutConfig"),
-    output: Optional[Path] = typer.Option(None, help="output folder (default: runs/eval/ENV-SPLIT; with several "
-                                          "splits, OUTPUT/eval_SPLIT for each)"),
+    output: Optional[Path] = typer.Option(None, help="output folder (default: runs/eval/ENV-SPLIT, a ':' in ENV "
+                                          "written '_'; with several splits, OUTPUT/eval_SPLIT for each)"),
     show: bool = show_config_option(),
     defaults: bool = defaults_option(),
 ) -> None:
@@ -706,15 +748,17 @@ def evaluate(
     if len(configs) > 1:
         notes.append(f"one evaluation per split ({', '.join(c.split for c in configs)}); shown: the first")
     show_config("eval", RolloutConfig, show, defaults, lambda: configs[0], notes)
+    for cfg in configs:
+        _check_policy(cfg, "--checkpoint" if checkpoint else "model.name_or_path")
     for note in notes:
         typer.echo(f"eval: {note}")
     rows, failures = [], []
     for cfg in configs:
         if output is None:
-            folder = Path("runs/eval") / f"{cfg.env}-{cfg.split}"
+            folder = Path("runs/eval") / path_safe(f"{cfg.env}-{cfg.split}")
         else:
-            folder = output / f"eval_{cfg.split}" if len(configs) > 1 else output
-        with _kept_failures(folder):
+            folder = output / f"eval_{path_safe(cfg.split)}" if len(configs) > 1 else output
+        with _kept_failures(folder), stopped_by_ctrl_c("the same command continues it"):
             metrics = run_eval(cfg, folder)
         rows.append({k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate",
                                              "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate",

@@ -25,3 +25,13 @@ def shared_data_dir() -> Path | None:
         if (parent / "pyproject.toml").is_file() and candidate.is_dir():
             return candidate
     return None
+
+
+def path_safe(name: str) -> str:
+    """``name`` as one safe file or folder name: an environment given as ``module:name`` (or with a
+    ``/``) would otherwise put a colon in a folder name, which Windows, macOS's Finder, ``scp`` and
+    ``rsync`` (``host:path``) read differently; every character but letters, digits, ``.``, ``_`` and
+    ``-`` becomes ``_``."""
+    import re
+
+    return re.sub(r"[^\w.-]", "_", name)

@@ -298,19 +298,35 @@ def _read_file(path: Path) -> pa.Table:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    files = shard_paths(path) if path.is_dir() else [path]
+    files = (shard_paths(path) or _single_parquet(path)) if path.is_dir() else [path]
     if not files:
         return {}
     meta = _check_file(files[0]).schema_arrow.metadata or {}
     return json.loads(meta.get(META_KEY, b"{}"))
 
 
+def _single_parquet(folder: Path) -> list[Path]:
+    """The one ``.parquet`` file of a folder without shards (a run's stage folder, e.g. ``iter_1/label``
+    holding ``labelled.parquet``), so the folder a run names can be read as it is; none when there are
+    none or several (which one would be a guess)."""
+    files = sorted(folder.glob("*.parquet"))
+    return files if len(files) == 1 else []
+
+
 def iter_files(path: str | Path) -> list[Path]:
+    """The files of a store: a file; a folder of ``part-*.parquet`` shards; a folder holding exactly one
+    ``.parquet`` file (a run's stage folder such as ``runs/NAME/iter_1/label``)."""
     path = Path(path)
     if path.is_dir():
-        files = shard_paths(path)
+        files = shard_paths(path) or _single_parquet(path)
         if not files:
-            raise StoreError(f"{path}: folder holds no part-*.parquet shards")
+            several = sorted(p.name for p in path.glob("*.parquet"))
+            if several:
+                raise StoreError(f"{path}: folder holds no part-*.parquet shards but several .parquet files "
+                                 f"({', '.join(several)}); name one")
+            inner = path / "trajectories"  # an evaluation stage's folder
+            hint = f"; did you mean {str(inner)!r}?" if inner.is_dir() and shard_paths(inner) else ""
+            raise StoreError(f"{path}: folder holds no part-*.parquet shards and no .parquet file{hint}")
         return files
     if not path.exists():
         raise StoreError(f"{path}: trajectory file not found")

@@ -223,7 +223,7 @@ def unconverged_warning(history: list[dict[str, Any]]) -> str | None:
         return None
     return (f"critic: the mean V moved by {change:+.4f} in the last epoch (more than {UNCONVERGED_V_CHANGE}): not "
             f"converged after {history[-1]['epoch']} epochs ({history[-1]['steps']} steps); raise epochs or "
-            f"iql.polyak (see `qevolve data critic-fit` on the labelled buffer)")
+            f"iql.polyak (see `qevolve data critic-fit` on the labelled buffer, e.g. runs/NAME/iter_1/label)")
 
 
 def _write_metrics(folder: Path, history: list[dict[str, Any]]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 SPLITS = ("train", "seen", "unseen")
@@ -68,8 +69,10 @@ class Environment(abc.ABC):
         """Actions valid in the current state, when the environment can list them."""
         raise NotImplementedError(f"{self.name} cannot list admissible actions")
 
-    def expert_actions(self) -> list[str]:
-        """An expert action sequence for the current task, when the environment has one.
+    def expert_actions(self) -> list[str | tuple[str, str]]:
+        """An expert plan for the current task, when the environment has one: per step, the action, or a
+        ``(thought, action)`` pair (needed when :attr:`turn_format` is ``thought_action``: the thought
+        becomes the demonstration's ``Thought:`` line).
 
         Called after :meth:`reset`. An environment that implements it gets expert demonstrations
         without more code: ``qevolve data expert ENV`` replays it on every task of a split and keeps
@@ -94,6 +97,32 @@ CONTRACT = ("an environment is built as Factory(split=...) and has tasks(split) 
 
 class EnvironmentContractError(ValueError):
     """An environment class or factory does not meet :data:`CONTRACT` (a user error: one line, exit 2)."""
+
+
+class EnvironmentCodeError(ValueError):
+    """An environment's own code raised in the main process (a user error: one line, exit 2, naming the
+    environment, the call and the exception; the original is its ``__cause__``)."""
+
+
+def call_environment(env_name: str, call: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, an environment's own code called in the main process (its constructor,
+    ``tasks``, ``expert_actions``): an exception it raises becomes one line saying which environment and
+    which call raised what, and where, e.g. ``environment 'game:guess': tasks('valid') raised KeyError:
+    'valid' (game.py:21)``; without it a user sees only ``error: valid``."""
+    import traceback
+
+    if env_name in _BUILTIN_MODULES:  # the built-in environments' errors are one-line messages already
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except EnvironmentContractError:
+        raise
+    except Exception as err:
+        frames = traceback.extract_tb(err.__traceback__)
+        where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if len(frames) > 1 else ""
+        message = " ".join(str(err).split())
+        raise EnvironmentCodeError(f"environment {env_name!r}: {call} raised {type(err).__name__}"
+                                   f"{': ' + message if message else ''}{where}") from err
 
 
 def register_environment(name: str, factory: EnvFactory | None = None):

@@ -90,10 +90,40 @@ def scripted_expert_source(env_name: str) -> ExpertSourceFn:
         from qevolve.environments.play import list_tasks
         from qevolve.environments.policies import WalkthroughPolicy
 
-        return [EpisodeJob(task, WalkthroughPolicy(source="expert"), split=split)
-                for task in list_tasks(env_name, split, limit)], []
+        tasks = list_tasks(env_name, split, limit)
+        check_expert_turn_format(env_name, split, tasks)
+        # Each worker checks every plan too: a thought_action demonstration without its thought fails
+        # its episode instead of being stored in a format behaviour cloning then refuses.
+        return [EpisodeJob(task, WalkthroughPolicy(source="expert", require_thoughts=True), split=split)
+                for task in tasks], []
 
     return source
+
+
+def check_expert_turn_format(env_name: str, split: str, tasks: list[str]) -> None:
+    """Before any demonstration is played: in an environment whose ``turn_format`` is ``thought_action``,
+    the expert's plan for the first task must give thoughts (``(thought, action)`` pairs); a plan of bare
+    actions would make demonstrations behaviour cloning cannot train on in that format. One line if not."""
+    from qevolve.environments.base import call_environment
+    from qevolve.environments.play import build_environment
+    from qevolve.environments.policies import check_thoughts, environment_turn_format, split_plan
+
+    if not tasks:
+        return
+    env = build_environment(env_name, split=split)
+    try:
+        if environment_turn_format(env) != "thought_action":
+            return
+        call_environment(env_name, f"reset({tasks[0]!r})", env.reset, tasks[0])
+        plan = call_environment(env_name, "expert_actions()", env.expert_actions)
+        actions, thoughts = split_plan(plan)
+        check_thoughts(actions, thoughts, tasks[0])
+    except ValueError as err:
+        message = str(err)
+        prefix = f"environment {env_name!r}: "
+        raise ValueError(message if message.startswith(prefix) else prefix + message) from None
+    finally:
+        env.close()
 
 
 def get_expert_source(env_name: str) -> ExpertSourceFn:

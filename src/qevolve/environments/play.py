@@ -8,17 +8,20 @@ from typing import Any, Callable
 
 
 from qevolve.buffer.store import Episode
-from qevolve.environments.base import EnvironmentContractError, get_factory, make_environment
+from qevolve.environments.base import Environment, EnvironmentContractError, call_environment, get_factory
 from qevolve.environments.pool import EnvPool, EpisodeJob, EpisodePolicy, JobOrder
 from qevolve.environments.policies import RandomPolicy, WalkthroughPolicy
 from qevolve.progress import progress_bar
 
 
 def list_tasks(env_name: str, split: str, limit: int | None = None, **env_kwargs: Any) -> list[str]:
-    """The task ids of ``split``, from an environment built as the workers build theirs (``split=``)."""
-    env = make_environment(env_name, **{"split": split, **env_kwargs})
+    """The task ids of ``split``, from an environment built as the workers build theirs (``split=``).
+
+    An exception from the environment's own constructor or ``tasks`` is one line naming both
+    (:class:`~qevolve.environments.base.EnvironmentCodeError`)."""
+    env = build_environment(env_name, **{"split": split, **env_kwargs})
     try:
-        tasks = env.tasks(split)
+        tasks = call_environment(env_name, f"tasks({split!r})", env.tasks, split)
     finally:
         env.close()
     if not isinstance(tasks, (list, tuple)) or not all(isinstance(task, str) for task in tasks):
@@ -28,6 +31,13 @@ def list_tasks(env_name: str, split: str, limit: int | None = None, **env_kwargs
                                        f"returned {shown}; expected a list of task id strings")
     tasks = list(tasks)
     return tasks[:limit] if limit is not None else tasks
+
+
+def build_environment(env_name: str, **kwargs: Any) -> Environment:
+    """The environment built in the main process; its constructor's exception is one line naming it."""
+    factory = get_factory(env_name)
+    shown = ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+    return call_environment(env_name, f"{getattr(factory, '__name__', 'factory')}({shown})", factory, **kwargs)
 
 
 PolicyFactory = Callable[[int], EpisodePolicy]  # seed -> policy

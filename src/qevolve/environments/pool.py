@@ -21,6 +21,7 @@ on other machines of a Ray cluster); :func:`make_pool` builds either from a :cla
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -98,28 +99,46 @@ class JobOrder:
 @dataclass
 class EpisodeOutcome:
     job: EpisodeJob
-    episode: Episode | None  # None when the episode failed (worker crash, timeout, exception)
+    #: the episode played; None when the worker crashed, missed a deadline or the reset raised. An
+    #: episode whose step (or policy) raised comes back with the turns played before, ``failed`` set.
+    episode: Episode | None
     error: str | None = None
     worker_pid: int | None = None
     steps: int = 0
     seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.error is None and self.episode is not None and self.episode.failed:
+            self.error = self.episode.failure_reason or "failed"
+
     @property
     def failed(self) -> bool:
-        return self.episode is None
+        return self.episode is None or self.episode.failed
 
     def failed_episode(self, env_name: str) -> Episode:
-        """The record of a failed episode for the trajectory store: no turns, ``failed`` and the reason.
-
-        (The turns played inside the lost worker are gone with it.)"""
+        """The record of a failed episode for the trajectory store: ``failed`` and the reason, with the
+        turns played before the failure when the worker could return them (an exception in ``step``),
+        none when they were lost with the worker (a crash or a missed deadline) or none was played."""
+        if self.episode is not None:
+            return self.episode
         job = self.job
         return Episode(episode_id=job.episode_id or f"{env_name}/{job.split}/{job.task_id}", task_id=job.task_id,
                        env=env_name, split=job.split, source=job.policy.source, failed=True,
                        failure_reason=self.error or "failed", meta={"seconds": self.seconds})
 
 
+def turn_failure(turn: int, action: str | None, error: BaseException) -> str:
+    """The failure reason of an episode whose turn ``turn`` (1-based) raised: its first line names the
+    turn and the action, e.g. ``at turn 3 (action 'guess 7'): ZeroDivisionError: seven is unlucky``."""
+    what = f"at turn {turn}" + (f" (action {action!r})" if action is not None else "")
+    return f"{what}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}"
+
+
 def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None) -> Episode:
-    """Play one episode of ``job`` with its worker-side policy and record it."""
+    """Play one episode of ``job`` with its worker-side policy and record it.
+
+    An exception in a step (or in the policy's choice of it) ends the episode as failed, keeping the
+    turns played before it; one in ``prepare``, ``reset`` or ``start`` propagates (no turn was played)."""
     started = time.perf_counter()
     job.policy.prepare(env, job.task_id)
     observation = env.reset(job.task_id)
@@ -133,15 +152,21 @@ def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None)
     )
     final_info: dict[str, Any] = {}
     for _ in range(limit):
-        action = job.policy.act(env, observation)
-        if action is None:
+        action = None
+        try:
+            action = job.policy.act(env, observation)
+            if action is None:
+                break
+            t0 = time.perf_counter()
+            result = env.step(action)
+            agent_text = job.policy.turn_text(action)
+        except Exception as err:
+            episode.failed, episode.failure_reason = True, turn_failure(len(episode.turns) + 1, action, err)
             break
-        t0 = time.perf_counter()
-        result = env.step(action)
         if on_step:
             on_step("step")
         episode.turns.append(Turn(
-            observation=observation, agent_text=job.policy.turn_text(action), action=action,
+            observation=observation, agent_text=agent_text, action=action,
             format_valid=True, action_valid=bool(result.info.get("valid_action", True)),
             reward=float(result.reward), done=bool(result.done), env_seconds=time.perf_counter() - t0,
         ))
@@ -150,9 +175,10 @@ def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None)
         if result.done:
             break
     episode.final_observation = observation
-    episode.won = bool(final_info.get("won", False))
-    episode.score = float(final_info.get("score", 0.0))
-    settle_final_reward(episode)  # cut at the turn limit: the final reward goes on the last turn
+    episode.won = bool(final_info.get("won", False)) and not episode.failed
+    episode.score = float(final_info.get("score", 0.0)) if not episode.failed else 0.0
+    if not episode.failed:
+        settle_final_reward(episode)  # cut at the turn limit: the final reward goes on the last turn
     episode.meta = {"seconds": time.perf_counter() - started}
     return episode
 
@@ -162,6 +188,12 @@ def play_episode(env: Environment, job: EpisodeJob, env_name: str, on_step=None)
 
 
 def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) -> None:
+    # Ctrl-C is the main process's to handle: it stops the workers itself. A worker that took the
+    # terminal's SIGINT would die with a KeyboardInterrupt traceback of its own. The signal was blocked
+    # while this process started (see EnvPool._spawn); from now on it is ignored, a pending one included.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Its own process group: killing a stuck worker kills what it started too (ScienceWorld's JVM).
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)
@@ -214,6 +246,22 @@ def _worker_main(conn: Connection, env_name: str, env_kwargs: dict[str, Any]) ->
             except Exception:
                 pass
         conn.close()
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while a worker process starts: the new process inherits the mask,
+    so a Ctrl-C during its start-up (seconds of imports, before :func:`_worker_main` ignores SIGINT)
+    cannot end it with a KeyboardInterrupt traceback. Here a SIGINT that arrives meanwhile is delivered
+    when the block ends, not lost."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass
@@ -308,7 +356,14 @@ class EnvPool(LockstepSlots):
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs),
                                     daemon=True, name=f"qevolve-env-{self.env_name}")
-        process.start()
+        if self._ctx.get_start_method() != "fork":
+            from multiprocessing import resource_tracker
+
+            # Started here, outside the block: multiprocessing starts its tracker with the first
+            # process and unblocks SIGINT when it has, which would leave that first worker exposed.
+            resource_tracker.ensure_running()
+        with sigint_blocked():
+            process.start()
         child.close()
         return _Worker(process, parent)
 
@@ -371,8 +426,9 @@ class EnvPool(LockstepSlots):
     def __enter__(self) -> "EnvPool":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, tb) -> None:
+        # Interrupted (Ctrl-C, SIGTERM): the workers' episodes are abandoned, so they are not waited for.
+        self.close(timeout=2.0 if kind is not None and issubclass(kind, KeyboardInterrupt) else 10.0)
 
     def __del__(self):
         try:

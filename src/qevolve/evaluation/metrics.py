@@ -48,6 +48,12 @@ def first_failure(episodes: Iterable[Episode]) -> tuple[str, str] | None:
     return None
 
 
+def failure_at(task: str, reason: str) -> str:
+    """``task 'T': reason``; a reason that says where in the episode it failed (``at turn 3 (action
+    'x'): ...``) reads on: ``task 'T', at turn 3 (action 'x'): ...``."""
+    return f"task {task!r}{', ' if reason.startswith('at turn ') else ': '}{reason}"
+
+
 def check_failed_share(episodes: list[Episode], max_share: float, where: str,
                        setting: str = "agent.max_failed_share") -> None:
     """Raise :class:`FailedEpisodesError` when more than ``max_share`` of ``episodes`` failed, quoting
@@ -59,4 +65,4 @@ def check_failed_share(episodes: list[Episode], max_share: float, where: str,
     task, reason = first_failure(episodes)  # type: ignore[misc]
     share = "every episode" if failed == len(episodes) else f"{failed} of {len(episodes)} episodes"
     raise FailedEpisodesError(f"{where}: {share} failed (allowed: {setting}={max_share:g}); first failure, "
-                              f"task {task!r}: {reason}")
+                              f"{failure_at(task, reason)}")

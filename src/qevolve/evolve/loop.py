@@ -356,6 +356,7 @@ def _iteration_of(stage: str) -> int:
 def validate_inputs(config: EvolveConfig) -> None:
     """Fail in seconds, before the first stage, on what would otherwise fail after BC: an unknown
     environment, a split it does not have, a missing or damaged checkpoint, missing expert data."""
+    from qevolve.environments.base import EnvironmentContractError
     from qevolve.environments.play import list_tasks
     from qevolve.policy.model import check_checkpoint
 
@@ -366,6 +367,9 @@ def validate_inputs(config: EvolveConfig) -> None:
             tasks = list_tasks(config.env, split)
         except KeyError as err:  # unknown environment
             raise ValueError(f"env {config.env!r}: {err.args[0] if err.args else err}") from None
+        except EnvironmentContractError as err:  # the class, not the split, is wrong: named as env's
+            message = str(err).removeprefix(f"environment {config.env!r}: ")
+            raise ValueError(f"env {config.env!r}: {message}") from None
         except ValueError as err:
             raise ValueError(f"{field} {split!r}: {err}") from None
         if not tasks:

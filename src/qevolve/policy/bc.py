@@ -126,10 +126,19 @@ def _check_turn_format(episodes: list[Episode], turn_format: str, source: str) -
     for ep in episodes:
         for t, turn in enumerate(ep.turns):
             if turn.action_ids is None and not parse_turn(turn.agent_text, turn_format).format_valid:
-                raise ValueError(f"{source}: episode {ep.episode_id!r} turn {t} is not in prompt.turn_format "
-                                 f"{turn_format!r} ({turn.agent_text[:60]!r}); set prompt.turn_format to the "
-                                 f"demonstrations' format (action for turns without thoughts; auto picks the "
-                                 f"environment's)")
+                shown = f"{source}: episode {ep.episode_id!r} turn {t} is not in prompt.turn_format {turn_format!r} " \
+                        f"({turn.agent_text[:60]!r})"
+                # The advice names the format the turns are in. ``auto`` is not offered: it takes the
+                # environment's turn_format, which is often what chose the format these turns miss.
+                if turn_format == "thought_action" and parse_turn(turn.agent_text, "action").format_valid:
+                    raise ValueError(f"{shown}; the demonstrations have no thoughts: set prompt.turn_format=action "
+                                     "(action for turns without thoughts), or rebuild them with thoughts (an "
+                                     "expert_actions() that returns (thought, action) pairs)")
+                if turn_format == "action" and parse_turn(turn.agent_text, "thought_action").format_valid:
+                    raise ValueError(f"{shown}; the demonstrations have thoughts: set "
+                                     "prompt.turn_format=thought_action")
+                raise ValueError(f"{shown}; expected 'Action: ...' (action) or 'Thought: ...' then 'Action: ...' "
+                                 "(thought_action) on every turn")
 
 
 def prepare_sequences(episodes: list[Episode], builder: PromptBuilder, max_length: int | None = None,

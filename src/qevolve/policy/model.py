@@ -260,6 +260,10 @@ def check_checkpoint(name_or_path: str, field: str = "model.name_or_path", allow
     _resolve_source(name_or_path, field, allow_hub)
 
 
+def _is_saved_model(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
 def _resolve_source(name_or_path: str, field: str = "model.name_or_path", allow_hub: bool = False) -> str:
     if name_or_path == "default":
         from qevolve.policy.default_model import ensure_default_model
@@ -269,9 +273,12 @@ def _resolve_source(name_or_path: str, field: str = "model.name_or_path", allow_
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{field} {name_or_path!r}: not a folder")
-        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-            raise ValueError(f"{field} {name_or_path!r}: folder holds neither config.json nor "
-                             f"adapter_config.json")
+        if not _is_saved_model(path):
+            # A training stage's folder (runs/NAME/bc, .../iter_1/policy) holds its policy in final/.
+            inside = [sub for sub in (path / "final", path / "policy" / "final") if _is_saved_model(sub)]
+            hint = f"; did you mean {str(inside[0])!r}?" if inside else ""
+            raise ValueError(f"{field} {name_or_path!r}: not a saved policy (the folder holds neither config.json "
+                             f"nor adapter_config.json){hint}")
         for weights in sorted(path.glob("*.safetensors")):
             check_safetensors(weights)
         if (path / "adapter_config.json").is_file():

@@ -92,7 +92,7 @@ class PromptConfig(StageConfig):
     turn_format: Literal["auto", "action", "thought_action"] = Field(
         "auto", description="agent turn format: action ('Action: ...'), thought_action ('Thought: ...' then "
                             "'Action: ...'), or auto: the format of the environment's demonstrations (ALFWorld "
-                            "action; WebShop and ScienceWorld thought_action; an environment class's "
+                            "and ScienceWorld action; WebShop thought_action; an environment class's "
                             "`turn_format` attribute, action when it has none)")
     format_instructions: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_FORMAT_INSTRUCTIONS),

@@ -251,7 +251,8 @@ def run_agent(env_name: str, split: str, jobs: list[tuple[str, str]], backend: G
                     if result.info.get("failed"):  # the turn is kept: what the agent did when the env failed
                         turn.done, turn.info["env_failed"] = True, True
                         state.episode.turns.append(turn)
-                        finish(slot, "", result.info.get("error", "environment failure"))
+                        error = str(result.info.get("error", "environment failure"))
+                        finish(slot, "", f"at turn {len(state.episode.turns)} (action {command!r}): {error}")
                         continue
                     observation, reward, done = result.observation, float(result.reward), bool(result.done)
                     turn.action_valid = bool(result.info.get("valid_action", True))
