@@ -87,3 +87,17 @@ def alfworld_experts(alfworld_installed):
     episodes = [ep for ep in result.episodes if ep.won]
     assert len(episodes) >= 3, f"expected won expert episodes, got {result.metrics}"
     return sorted(episodes, key=lambda ep: ep.episode_id)
+
+
+@pytest.fixture(autouse=True)
+def _environment_specs_forgotten():
+    """Environments a test loads by 'module:name' are forgotten after it (the next lookup loads them again):
+    otherwise they stay registered in the process and appear in later tests' 'unknown environment' lists.
+    Plain names registered by importing a module stay, since a second import would not register them again."""
+    from qevolve.environments import base
+
+    before = set(base._REGISTRY)
+    yield
+    for name in set(base._REGISTRY) - before:
+        if ":" in name:
+            del base._REGISTRY[name]
