@@ -766,6 +766,48 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     show([{k: ("-" if v is None else v) for k, v in r.items()} for r in rows])
 
 
+def attention_kernels(lengths: list[int], repeats: int = 2) -> list[dict[str, Any]]:
+    """One layer's causal attention (SmolLM2: 9 query heads, 3 key/value heads, head 64), forward + backward,
+    bf16: PyTorch's fused CPU kernel (what packed_sdpa calls, enable_gqa) vs the same maths as plain
+    matmuls (eager: QK^T, causal mask, softmax in float32, PV; key/value heads repeated)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for n in lengths:
+        q = torch.randn(1, 9, n, 64, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, 3, n, 64, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, 3, n, 64, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(1, 9, n, 64, dtype=torch.bfloat16)
+        mask = torch.full((n, n), float("-inf")).triu(1)
+
+        def fused():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def eager():
+            kk, vv = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+            scores = (q @ kk.transpose(-1, -2)).float() * 64 ** -0.5 + mask
+            return torch.softmax(scores, dim=-1).to(q.dtype) @ vv
+
+        flops = 4 * 9 * 64 * n * (n + 1) / 2  # causal forward; backward 2x
+        row = {"tokens": n}
+        for name, fn in (("fused sdpa", fused), ("eager matmul", eager)):
+            best_f, best_b = float("inf"), float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = fn()
+                t1 = time.perf_counter()
+                out.backward(grad)
+                t2 = time.perf_counter()
+                best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
+                q.grad = k.grad = v.grad = None
+            row[f"{name} fwd ms"] = round(best_f * 1e3, 1)
+            row[f"{name} bwd ms"] = round(best_b * 1e3, 1)
+            row[f"{name} GFLOP/s"] = round(3 * flops / (best_f + best_b) / 1e9, 1)
+        rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------ parent
 
 
@@ -848,6 +890,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full-eval", action="store_true", help="eval: also run the real evaluation of the BC policy")
     parser.add_argument("--eval-limit", type=int, default=50, help="goals of --full-eval")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--attention-kernels", default=None, help="comma-separated sequence lengths: time one "
+                        "layer's causal attention, fused kernel vs plain matmuls (then exit)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -856,6 +900,16 @@ def main(argv: list[str] | None = None) -> None:
         run_child(args)
         return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the qevolve CLI does; the children inherit it
+    if args.attention_kernels:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        from train_throughput import matmul_rate
+
+        print(f"bf16 matmul: {matmul_rate(torch.bfloat16) / 1e9:.0f} GFLOP/s")
+        print_rows(attention_kernels([int(n) for n in args.attention_kernels.split(",")]))
+        return
     stages = ALL_STAGES if args.stage == "all" else tuple(s.strip() for s in args.stage.split(","))
     unknown = [s for s in stages if s not in ALL_STAGES]
     if unknown:
