@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     from qevolve.policy.model import ModelConfig, _resolve_source, load_policy
     from qevolve.policy.prompts import PromptBuilder, PromptConfig
     from qevolve.rollouts.generation import HFGenerationBackend
-    from qevolve.rollouts.vllm_backend import VLLMSettings, backend_for_checkpoint, shutdown_engine, vllm_available
+    from qevolve.rollouts.vllm_backend import VLLMSettings, backend_for_checkpoint, release_engine, vllm_available
 
     fp32 = load_policy(ModelConfig(name_or_path=args.checkpoint, precision="fp32", device="cpu"), trainable=False)
     builder = PromptBuilder.for_environment(fp32.tokenizer, PromptConfig(max_prompt_tokens=4096), "alfworld")
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         backend.generate([GenerationRequest(("again", i), prompts[i]) for i in range(b)], SamplingParams(1))
         print(f"{name} prefix cache: batch {b} again, prefill of {sum(map(len, prompts[:b]))} prompt tokens: "
               f"{backend.stats.prompt_tokens_encoded - before} encoded, {time.perf_counter() - t0:.2f} s", flush=True)
-        shutdown_engine()
+        release_engine()
     names = list(results)
     reference = "hf-fp32" if "hf-fp32" in results else (names[0] if names else None)
     b = max(batches)

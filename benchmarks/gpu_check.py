@@ -316,7 +316,7 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
     if time.perf_counter() > deadline:
         print("  vllm: skipped (time budget)")
         return rows
-    from qevolve.rollouts.vllm_backend import VLLMGenerationBackend, VLLMSettings, build_engine, shutdown_engine
+    from qevolve.rollouts.vllm_backend import VLLMGenerationBackend, VLLMSettings, build_engine, release_engine
 
     with tempfile.TemporaryDirectory(prefix="qevolve-gpu-check-") as folder:
         spec.config().save_pretrained(folder)  # the architecture only: vLLM draws random ("dummy") weights
@@ -331,7 +331,7 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
         with contextlib.suppress(Exception):
             engine.llm_engine.engine_core.shutdown()
         del engine
-        shutdown_engine()
+        release_engine()
     return rows
 
 

@@ -585,7 +585,7 @@ def child_engine(args, kv_gb: int) -> dict[str, Any]:
                "decode_seconds": decode, "generated": generated, "decode_tokens_per_s": generated / decode,
                "re_encoded_tokens": encoded, "peak_rss_mb": peak_rss_mb(), "end_rss_mb": rss_mb(),
                "enforce_eager": settings.enforce_eager, "facts": environment_facts()}
-        vb.shutdown_engine()
+        vb.release_engine()
         return out
 
 

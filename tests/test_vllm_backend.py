@@ -195,11 +195,56 @@ def test_vllm_engine_reloads_a_new_checkpoint_in_place(tiny_pair, tmp_path):
     assert all(r.prompt_tokens_encoded > 16 for r in after[0])
     # A new tied embedding (full fine-tuning): vLLM's in-place reload would keep the old output layer,
     # so the backend starts a new engine, and serves the new checkpoint exactly.
+    engine = first.engine
     third = vllm_backend.backend_for_checkpoint(folders[1], settings, [2])
-    assert third.engine is not first.engine
+    assert third.engine is not engine and first.engine is None  # the replaced engine is let go
     got, _ = _play(third, turns=1)
     want, _ = _play(HFGenerationBackend(models[1], [2]), turns=1)
     assert [r.token_ids for r in got[0]] == [r.token_ids for r in want[0]]
+
+
+@needs_vllm
+def test_release_engine_returns_the_kv_cache_and_leaves_threads_and_generators_alone(tiny_pair):
+    """qevolve evolve releases the engine before every stage that does not generate: its memory must
+    really go back to the system (the quickstart's engine held 3.4 GB through the next training stage)."""
+    import gc
+    import random
+    import weakref
+
+    import psutil
+
+    from qevolve.allocator import release_free_memory
+
+    folders, _ = tiny_pair
+    kv_gb = 1
+    settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024, cpu_kv_cache_gb=kv_gb,
+                            block_size=32)
+    vllm_backend.release_engine()  # an earlier test's engine must not count in either measurement
+    gc.collect()
+    release_free_memory()
+    process = psutil.Process()
+    backend = vllm_backend.backend_for_checkpoint(folders[0], settings, [2])
+    before, _ = _play(backend, turns=1)
+    engine = weakref.ref(backend.engine)
+    started = process.memory_info().rss
+    threads = torch.get_num_threads()
+    torch.manual_seed(5)
+    random.seed(5)
+    want = (torch.rand(1).item(), random.random())
+    torch.manual_seed(5)
+    random.seed(5)
+    assert vllm_backend.release_engine() is True
+    assert (torch.rand(1).item(), random.random()) == want and torch.get_num_threads() == threads
+    released = process.memory_info().rss
+    assert engine() is None  # no reference left anywhere: not the module's, not the backend's
+    assert started - released > 0.8 * kv_gb * 2**30, (started / 2**30, released / 2**30)
+    assert backend.engine is None
+    with pytest.raises(RuntimeError, match="released"):
+        backend.generate([GenerationRequest(0, [5, 6, 7])], SamplingParams(2))
+    assert vllm_backend.release_engine() is False
+    # the next backend starts a new engine, which serves as before
+    after, _ = _play(vllm_backend.backend_for_checkpoint(folders[0], settings, [2]), turns=1)
+    assert [r.token_ids for r in after[0]] == [r.token_ids for r in before[0]]
 
 
 def test_the_gpu_config_selects_vllm_and_loads():
@@ -254,7 +299,7 @@ def test_sampled_requests_carry_their_own_seeds_on_cpu_without_chunked_prefill(t
     folders, _ = tiny_pair
     settings = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=256, cpu_kv_cache_gb=1,
                             block_size=32, max_num_seqs=8)
-    vllm_backend.shutdown_engine()
+    vllm_backend.release_engine()
     torch.manual_seed(3)
     random.seed(3)
     want = (torch.rand(1).item(), random.random())

