@@ -533,6 +533,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     from qevolve.policy.model import load_policy
     from qevolve.policy.prompts import PromptBuilder
     from qevolve.process_rewards.label import label_episodes
+    from qevolve.rollouts import vllm_backend
     from qevolve.rollouts.run import RolloutConfig, run_eval, run_rollouts
 
     # One thread count for the whole run: CPU reductions (hence weights) depend on it. Set before any
@@ -571,13 +572,22 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             return path
 
     def stage(name: str, inputs: dict[str, str], fn: Callable[[Path], tuple[dict[str, str], dict[str, Any]]],
-              resumable: bool = False):
+              resumable: bool = False, generates: bool = False):
         """Run stage ``name``; ``resumable``: a training stage, which continues from the newest checkpoint of
-        an interrupted attempt (see RunDirectory.run_stage)."""
+        an interrupted attempt (see RunDirectory.run_stage); ``generates``: a rollout or evaluation stage,
+        which may reuse the vLLM engine the previous stage left."""
         if stop_before == name and run.completed(name) is None:
             raise KeyboardInterrupt(f"stopped before {name}")
 
         def seeded(workdir: Path):
+            if not generates:
+                # An idle vLLM engine (weights + KV cache: 3.4 GB on the WebShop quickstart) would stay
+                # resident through the training stage that follows an evaluation. Consecutive generating
+                # stages still share it (BC's evaluations and iteration 1's rollouts serve the same
+                # weights). Every stage that does not generate comes before a training stage, and after
+                # training the next engine serves new weights anyway: a fully fine-tuned policy needed a
+                # new engine already; a LoRA policy now gets a new engine instead of an in-place reload.
+                vllm_backend.release_engine()
             current["seed"] = derive_seed(config.seed, name)
             seed_everything(current["seed"])
             if torch.get_num_threads() != threads:
@@ -623,7 +633,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 return ({"trajectories": "trajectories", "metrics": "metrics.json"},
                         {k: metrics[k] for k in EVAL_KEYS if k in metrics})
             inputs = {"policy": policy_path, **({"critic": critic_path} if critic_path else {})}
-            record = stage(f"{prefix}/eval_{split}", inputs, fn)
+            record = stage(f"{prefix}/eval_{split}", inputs, fn, generates=True)
             results.setdefault(prefix, {})[split] = record.metrics["success_rate"]
 
     def run_baselines(it: str, buffer_path: str, start: str, critic_path: str) -> None:
@@ -696,7 +706,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 metrics = run_rollouts(rc, workdir, progress=config.progress, task_ids=task_ids)
                 return {"trajectories": "."}, {k2: metrics[k2] for k2 in EVAL_KEYS if k2 in metrics}
 
-            rollouts = stage(f"{it}/rollouts", {"policy": policy_path}, rollout_stage)
+            rollouts = stage(f"{it}/rollouts", {"policy": policy_path}, rollout_stage, generates=True)
             self_paths = ([*self_paths, rollouts.outputs["trajectories"]]
                           if config.buffer.self_data == "accumulate" else [rollouts.outputs["trajectories"]])
 
