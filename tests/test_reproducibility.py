@@ -197,14 +197,15 @@ def overrides(model_dir: Path, backend: str) -> list[str]:
     ]
 
 
-def run_fresh(folder: Path, model_dir: Path, backend: str) -> Path:
+def run_fresh(folder: Path, model_dir: Path, backend: str, prelude: str = "", env_extra: dict | None = None) -> Path:
     """Build an expert store with two workers in a data directory of its own, then run the loop in a
-    fresh process; returns the run directory."""
+    fresh process (after the Python code ``prelude``); returns the run directory."""
     data = folder / "data"
     build_expert_store(data / "experts" / ENV, workers=2, n=30)
-    env = {**os.environ, "QEVOLVE_DATA_DIR": str(data),
+    env = {**os.environ, "QEVOLVE_DATA_DIR": str(data), **(env_extra or {}),
            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "qevolve.cli", "evolve", *overrides(model_dir, backend),
+    code = f"{prelude}\nimport sys\nsys.argv[0] = 'qevolve'\nfrom qevolve.cli import main\nmain()"
+    proc = subprocess.run([sys.executable, "-c", code, "evolve", *overrides(model_dir, backend),
                            f"runs_dir={folder / 'runs'}", "name=run"], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -302,10 +303,69 @@ def vllm_policy(tmp_path_factory):
                             num_kv_heads=2, intermediate_size=256)
 
 
+# Run in the loop's process before the CLI: records the engine's life (starts, the backends handed out,
+# releases by the loop) and whether an engine is held when a training stage starts. With
+# QEVOLVE_TEST_RELEASE=0 the loop's releases do nothing (the engine stays, as it did before releasing),
+# while the backend still replaces an engine it cannot reload.
+ENGINE_SPY = """
+import json, os
+from qevolve.critic import train as critic_train
+from qevolve.policy import bc, bppo
+from qevolve.rollouts import vllm_backend as vb
+
+def record(*event):
+    with open(os.environ["QEVOLVE_TEST_EVENTS"], "a") as out:
+        out.write(json.dumps(event) + "\\n")
+
+inside = []
+real_release, real_backend, real_build = vb.release_engine, vb.backend_for_checkpoint, vb.build_engine
+
+def release_engine():
+    if inside:
+        return real_release()
+    if os.environ["QEVOLVE_TEST_RELEASE"] == "1":
+        record("release", real_release())
+    return False
+
+def backend_for_checkpoint(*args, **kwargs):
+    inside.append(1)
+    try:
+        return real_backend(*args, **kwargs)
+    finally:
+        inside.pop()
+        record("backend")
+
+def build_engine(*args, **kwargs):
+    record("start")
+    return real_build(*args, **kwargs)
+
+def training(name, fn):
+    def run(*args, **kwargs):
+        record("train", name, "engine" in vb._ENGINE)
+        return fn(*args, **kwargs)
+    return run
+
+vb.release_engine, vb.backend_for_checkpoint, vb.build_engine = release_engine, backend_for_checkpoint, build_engine
+bc.run_bc = training("bc", bc.run_bc)
+bppo.run_policy_update = training("policy", bppo.run_policy_update)
+critic_train.train_critic = training("critic", critic_train.train_critic)
+"""
+
+
 @needs_vllm
-def test_the_same_config_twice_with_vllm_gives_equal_digests(tmp_path, vllm_policy):
-    a = run_fresh(tmp_path / "a", vllm_policy, "vllm")
-    b = run_fresh(tmp_path / "b", vllm_policy, "vllm")
+def test_the_same_config_twice_with_vllm_gives_equal_digests_with_and_without_releasing_the_engine(
+        tmp_path, vllm_policy):
+    """Two fresh runs of one config: one as ``qevolve evolve`` runs it (the engine released before every stage
+    that does not generate), one that keeps the engine between stages as before. Releasing changes the
+    memory, not the results."""
+    def spied(name, release):
+        events = tmp_path / f"{name}.jsonl"
+        run = run_fresh(tmp_path / name, vllm_policy, "vllm", ENGINE_SPY,
+                        {"QEVOLVE_TEST_EVENTS": str(events), "QEVOLVE_TEST_RELEASE": release})
+        return run, [json.loads(line) for line in events.read_text().splitlines()]
+
+    a, released = spied("a", "1")
+    b, kept = spied("b", "0")
     result = compare_runs(a, b)
     assert result["equal"], render_diff(result)
     manifest = json.loads((a / "manifest.json").read_text())
@@ -313,3 +373,16 @@ def test_the_same_config_twice_with_vllm_gives_equal_digests(tmp_path, vllm_poli
     assert all(s["threads"] == 1 for s in manifest["stages"])  # the engine start did not change the count
     shard = read_episodes(a / "iter_1/rollouts")
     assert len({tuple(ep.turns[0].action_ids) for ep in shard}) > 1  # sampled
+
+    # bc, critic, policy, rft: no training stage starts beside an engine; keeping it, they did (but bc)
+    trained = [event for event in released if event[0] == "train"]
+    assert [event[1] for event in trained] == ["bc", "critic", "policy", "bc"]
+    assert not any(event[2] for event in trained)
+    assert [event[2] for event in kept if event[0] == "train"] == [False, True, True, True]
+    # BC's evaluation and iteration 1's rollouts serve the same weights: one engine for both
+    names = [event[0] for event in released]
+    first, second = [i for i, name in enumerate(names) if name == "backend"][:2]
+    assert names[:first].count("start") == 1 and "start" not in names[first:second]
+    # what the release costs here (LoRA policies): a new engine for each evaluation after training
+    assert names.count("start") == 3 and [event[0] for event in kept].count("start") == 1
+    assert [event[1] for event in released if event[0] == "release"].count(True) == 2
