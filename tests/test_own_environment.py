@@ -510,4 +510,4 @@ def test_ctrl_c_stops_env_play_without_tracebacks_from_starting_workers(tmp_path
         if process.poll() is None:
             process.kill()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip() == "interrupted by SIGINT" and process.returncode == 130
+    assert err.strip() == "interrupted by SIGINT" and process.returncode == 130, (process.returncode, out, err)
