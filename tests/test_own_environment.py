@@ -499,7 +499,10 @@ def test_ctrl_c_stops_env_play_without_tracebacks_from_starting_workers(tmp_path
                                                         os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "run_cli.py", "env", "play", "rooms_game:rooms", "--split", "train",
                                 "--workers", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               # as in a terminal: a test run started in the background of a non-interactive
+                               # shell (CI) inherits SIGINT ignored, and Python then keeps ignoring it
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         while len(list(tmp_path.glob("worker-*.started"))) < 2 and process.poll() is None:
             time.sleep(0.05)
