@@ -112,15 +112,10 @@ class VariantSettings(StageConfig):
 
 def _override(config: StageConfig, updates: dict[str, Any], where: str) -> StageConfig:
     """``config`` with nested ``updates`` applied, validated (errors name ``where``)."""
-    def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-        out = dict(base)
-        for key, value in extra.items():
-            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        return out
     from pydantic import ValidationError
 
     try:
-        return type(config).model_validate(merge(config.model_dump(), updates))
+        return type(config).model_validate(merge_trees(config.model_dump(), updates))
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
