@@ -23,6 +23,7 @@ barrier. All ranks must see the same file system (the run folder and the data).
 from __future__ import annotations
 
 import atexit
+import gc
 import contextlib
 import os
 from dataclasses import dataclass
@@ -223,8 +224,13 @@ def _leave_process_group() -> None:
 
     A process that exits with its gloo group alive can abort in interpreter finalisation ("terminate
     called without an active exception", SIGABRT): gloo's worker threads still hold tensors whose
-    release needs the GIL (pytorch/pytorch#190489). Destroying the group is local, not a collective."""
+    release needs the GIL (pytorch/pytorch#190489). Destroying the group is local, not a collective.
+
+    DDP wrappers sit in reference cycles (their hooks point back at them), so a finished stage's
+    wrapper, and the reducer that holds the group, lives until a garbage collection; collect it first,
+    or it is freed during finalisation, after the group, by whichever thread happens to run then."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
