@@ -269,6 +269,55 @@ def test_release_engine_returns_the_kv_cache_and_leaves_threads_and_generators_a
     assert out["tokens_again"] == out["tokens"]  # a new engine serves as before
 
 
+# A compiled engine (the CPU default) in a fresh process with its own compile caches. vLLM 0.32 with
+# torch 2.13 could not load back its ahead-of-time compiled model, so each engine compiled it again.
+COMPILE_PROBE = """
+import json, sys
+from torch._dynamo.utils import counters
+from qevolve.rollouts import vllm_backend as vb
+from qevolve.rollouts.generation import GenerationRequest, SamplingParams
+
+settings = vb.VLLMSettings(dtype="float32", max_model_len=256, cpu_kv_cache_gb=1, block_size=32)
+request = [GenerationRequest(k, [10 + k, 11, 12, 13] * 10) for k in range(4)]
+out = []
+for folder in sys.argv[1:]:
+    misses = counters["inductor"]["fxgraph_cache_miss"]
+    backend = vb.backend_for_checkpoint(folder, settings, [2])
+    tokens = [r.token_ids for r in backend.generate(request, SamplingParams(8))]
+    out.append({"graphs_compiled": counters["inductor"]["fxgraph_cache_miss"] - misses, "tokens": tokens})
+    vb.release_engine()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_new_compiled_engine_loads_the_compiled_model_from_the_cache(tiny_pair, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folders, _ = tiny_pair
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("VLLM_USE_AOT_COMPILE", None)  # the backend's own choice
+
+    def probe(*names):
+        proc = subprocess.run([sys.executable, "-c", COMPILE_PROBE, *map(str, names)], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Compiling model again" not in proc.stdout + proc.stderr  # a cached model that failed to load
+        return json.loads(proc.stdout.split("RESULT ")[-1])
+
+    first, second = probe(folders[1], folders[0])
+    assert first["graphs_compiled"] > 0  # empty caches: the first engine compiles
+    assert second["graphs_compiled"] == 0  # the same architecture, other weights: nothing compiled again
+    (again,) = probe(folders[1])  # a new process, warm caches
+    assert again["graphs_compiled"] == 0
+    assert again["tokens"] == first["tokens"]  # the loaded code computes what the freshly compiled code did
+
+
 def test_the_gpu_config_selects_vllm_and_loads():
     from pathlib import Path
 

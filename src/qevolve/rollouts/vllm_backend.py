@@ -186,6 +186,11 @@ def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: 
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_gb)
     if settings.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM 0.32 with torch 2.13 saves its ahead-of-time compiled model but cannot load it back ("'function'
+    # object has no attribute 'finalize_loading'"), so every engine compiled its model again: about 36 s of
+    # each 50 s CPU start. Its earlier compile cache loads: a start after the first takes about 18 s, with
+    # the same compiled code. A user's own setting wins.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     vllm = require_vllm()
     kwargs: dict[str, Any] = dict(
         model=str(model_folder), skip_tokenizer_init=True, enable_prefix_caching=True, dtype=_engine_dtype(settings),
