@@ -179,3 +179,24 @@ def test_cli_bc_runs_and_reports_bad_configs(tiny_model_dir, expert_file, tmp_pa
     assert "config file not found" in capsys.readouterr().err
     assert run_cli(["bc", "--show-config"], monkeypatch) == 0
     assert "tokens_per_batch" in capsys.readouterr().out
+
+
+def test_adamw_implementations_agree_and_default_is_torchs_choice(tiny_model_dir, expert_file, tmp_path):
+    from safetensors.torch import load_file
+
+    from qevolve.policy.trainer import ADAMW_IMPLEMENTATIONS
+
+    def weights(implementation: str) -> dict[str, torch.Tensor]:
+        config = bc_config(tiny_model_dir, expert_file, tmp_path / implementation, max_steps=4)
+        config.optim.implementation = implementation
+        run_bc(config, log=lambda m: None)
+        return load_file(tmp_path / implementation / "final" / "model.safetensors")
+
+    assert ADAMW_IMPLEMENTATIONS["default"] == {"foreach": None, "fused": None}  # torch decides, as before
+    reference = weights("for_loop")
+    assert all(torch.equal(reference[k], v) for k, v in weights("default").items())  # CPU: torch's for-loop
+    for implementation in ("foreach", "fused"):  # the same update, its arithmetic ordered differently
+        other = weights(implementation)
+        assert all(torch.allclose(reference[k], v, rtol=0, atol=1e-5) for k, v in other.items()), implementation
+    with pytest.raises(ConfigError, match="implementation"):
+        load_config(BCConfig, None, ["optim.implementation=apex"])

@@ -30,7 +30,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
@@ -47,6 +47,12 @@ __all__ = ["OptimConfig", "TrainingConfig", "Trainer", "ScalarWriter", "cosine_s
            "load_checkpoint_weights", "first_difference"]
 
 
+# torch's AdamW keywords for each implementation; "default" lets torch choose (for_loop on CPU, foreach on GPU)
+ADAMW_IMPLEMENTATIONS: dict[str, dict[str, bool | None]] = {
+    "default": {"foreach": None, "fused": None}, "for_loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True, "fused": False},
+    "fused": {"foreach": False, "fused": True}}
+
+
 class OptimConfig(StageConfig):
     """AdamW with linear warm-up and a cosine decay."""
 
@@ -58,6 +64,10 @@ class OptimConfig(StageConfig):
     warmup_steps: int | None = Field(None, ge=0, description="linear warm-up steps (null: warmup_ratio of the run)")
     warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="warm-up as a fraction of all steps")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="the cosine ends at this fraction of the peak")
+    implementation: Literal["default", "for_loop", "foreach", "fused"] = Field(
+        "default", description="AdamW kernel: default (torch's choice: for_loop on CPU, foreach on GPU), for_loop "
+        "(one tensor at a time), foreach (grouped tensors) or fused (one kernel per step). They order the update's "
+        "arithmetic differently, so the weights differ in the last bits")
 
 
 class TrainingConfig(StageConfig):
@@ -251,7 +261,8 @@ class Trainer:
         self.parameters = policy.trainable_parameters()  # after FSDP replaced them with their shards
         self._parameter_names = self._trainable_names()
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr, betas=tuple(config.optim.betas),
-                                           eps=config.optim.eps, weight_decay=config.optim.weight_decay)
+                                           eps=config.optim.eps, weight_decay=config.optim.weight_decay,
+                                           **ADAMW_IMPLEMENTATIONS[config.optim.implementation])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_schedule(self.total_steps, warmup, config.optim.min_lr_ratio))
         self._plans: dict[int, list[list[int]]] = {0: first_plan}  # the current epoch's plan only
