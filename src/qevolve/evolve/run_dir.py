@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from qevolve.evolve.digests import differing_fields, output_digests
+from qevolve.resident import peak_resident_bytes, reset_peak_resident
 
 MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"
@@ -464,6 +465,7 @@ class RunDirectory:
         if resumable:
             write_json_atomic(workdir / STAGE_MARKER, stage_key)  # hidden: not a result, left out of the digests
         started = time.time()
+        measured_peak = reset_peak_resident()
         log(f"[{name}] running")
         try:
             outputs, metrics = fn(workdir)
@@ -483,7 +485,12 @@ class RunDirectory:
                                         "metrics": record.metrics, "digests": digests,
                                         "threads": torch_threads()})
         self._save()
+        # Memory, like time, depends on the machine and the load: timings, not the (reproducible) manifest.
+        timing = {"stage": name, "seconds": round(time.time() - started, 2),
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        peak = peak_resident_bytes() if measured_peak else None
+        if peak is not None:
+            timing["peak_rss_mb"] = round(peak / 2**20)  # this process only, not its environment workers
         with open(self.root / TIMINGS, "a") as handle:
-            handle.write(json.dumps({"stage": name, "seconds": round(time.time() - started, 2),
-                                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+            handle.write(json.dumps(timing) + "\n")
         return record
