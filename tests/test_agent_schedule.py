@@ -19,11 +19,21 @@ SETTINGS = VLLMSettings(dtype="float32", enforce_eager=True, max_model_len=1024,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoTokenizer
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qevolve.policy.testing import save_tiny_policy
 
     folder = save_tiny_policy(tmp_path_factory.mktemp("schedule") / "model", **TINY)
+    # Larger random weights: the default initialisation repeats one token whatever the prompt, and every
+    # turn would have the same length; with these, turns vary and some stop early.
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    model.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     builder = PromptBuilder.for_environment(tokenizer, PromptConfig(max_prompt_tokens=512, reserve_action_tokens=16),
                                             COUNTER)
