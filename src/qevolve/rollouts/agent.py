@@ -322,7 +322,7 @@ class _AgentLoop:
                 if waiting:
                     requests = [self.request(s) for s in waiting]
                     # unique and the same in every run: the episode and its turn
-                    ids = [f"{r.key}#{self.live[s].episode.num_turns}" for s, r in zip(waiting, requests)]
+                    ids = [f"{r.key}@turn{self.live[s].episode.num_turns}" for s, r in zip(waiting, requests)]
                     backend.submit(requests, self.params, ids)
                     in_flight.update((i, (s, r)) for i, s, r in zip(ids, waiting, requests))
                     shares.update((s, 0.0) for s in waiting)
@@ -332,13 +332,14 @@ class _AgentLoop:
                 done = backend.poll()
                 step_seconds = time.perf_counter() - t0
                 self.gen_seconds += step_seconds
-                for slot, _ in in_flight.values():  # the step's time, shared by the rows it ran
+                for slot, _ in in_flight.values():  # the step's time, shared by the requests in flight
                     shares[slot] += step_seconds / len(in_flight)
                 if not done:
                     continue
-                played = sorted((in_flight.pop(request_id), generation) for request_id, generation in done)
-                slots = [slot for (slot, _), _ in played]
-                self.play(slots, [request for (_, request), _ in played], [g for _, g in played],
+                played = sorted(((*in_flight.pop(request_id), generation) for request_id, generation in done),
+                                key=lambda item: item[0])  # slot order, not the engine's
+                slots = [slot for slot, _, _ in played]
+                self.play(slots, [request for _, request, _ in played], [generation for _, _, generation in played],
                           [shares.pop(slot) for slot in slots])
         finally:
             backend.cancel()  # a loop stopped by an error leaves nothing running in the engine
