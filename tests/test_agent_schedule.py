@@ -89,6 +89,12 @@ def test_continuous_plays_the_lockstep_trajectories_in_fewer_engine_steps(tiny, 
     assert not lockstep.failed and not continuous.failed and len(continuous.episodes) == 10
     # fp32 greedy: the same turns, token for token, whatever the batches were
     assert _trajectories(continuous) == _trajectories(lockstep)
+    lockstep_turns = {ep.episode_id: ep.turns for ep in lockstep.episodes}
+    for episode in continuous.episodes:
+        for turn, other in zip(episode.turns, lockstep_turns[episode.episode_id]):
+            assert turn.action_logprobs == pytest.approx(other.action_logprobs, abs=1e-4)
+            assert (turn.agent_text, turn.observation, turn.reward, turn.done) == \
+                (other.agent_text, other.observation, other.reward, other.done)
     assert {len(ep.turns) for ep in continuous.episodes} == {1, 2, 3, 4, 5}
     stopped = [t.info["stopped"] for ep in continuous.episodes for t in ep.turns]
     assert any(stopped) and not all(stopped)  # turns of different lengths
