@@ -33,7 +33,8 @@ Log-probs are those of the sampled tokens under the policy's own distribution at
 
 The interface used by :mod:`qevolve.rollouts.agent` is :meth:`GenerationBackend.generate` and
 :meth:`GenerationBackend.release` plus ``stats``; ``kv_cache`` is a constructor argument of the HF
-backend only.
+backend only. A backend that can also generate request by request (the vLLM backend) implements
+:class:`StreamingBackend` (``submit``/``poll``/``cancel``), which the agent's continuous schedule uses.
 """
 
 from __future__ import annotations
@@ -111,6 +112,30 @@ class GenerationBackend(abc.ABC):
 
     def release(self, keys: Sequence[Hashable]) -> None:
         """Forget per-episode state (the episodes ended)."""
+
+
+class StreamingBackend(GenerationBackend):
+    """A backend that also takes requests while others are generating and reports each as it finishes,
+    so the agent loop can keep the engine full (``agent.schedule: continuous``).
+
+    ``submit`` queues requests under caller-chosen ids (unique among the requests in flight), ``poll``
+    advances generation by one engine step and returns ``(request id, result)`` for the requests that
+    finished in it, and ``cancel`` drops whatever is still in flight (a loop that stops early must not
+    leave requests behind for the next ``generate``). A result is what ``generate`` would return for
+    the same request; ``generate`` may not be called while requests are in flight."""
+
+    @abc.abstractmethod
+    def submit(self, requests: Sequence[GenerationRequest], params: SamplingParams,
+               request_ids: Sequence[str]) -> None:
+        ...
+
+    @abc.abstractmethod
+    def poll(self) -> list[tuple[str, GenerationResult]]:
+        ...
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        ...
 
 
 @dataclass
