@@ -72,8 +72,10 @@ class AgentConfig(StageConfig):
                                     "error quoting the first failure when more than this share of its episodes "
                                     "failed (environment exception, worker crash or timeout), instead of "
                                     "reporting their score; 1.0: never stop")
+    # lockstep by default: continuous changes which rows share an engine step, and in bf16 that moves some
+    # greedy turns (6 of 50 WebShop episodes) for 8% less generation time (docs/vllm.md)
     schedule: Literal["auto", "lockstep", "continuous"] = Field(
-        "auto", description="how generation and environment steps interleave: lockstep (one generation call "
+        "lockstep", description="how generation and environment steps interleave: lockstep (one generation call "
         "for every live episode's turn, then every environment steps: each call lasts as long as its longest "
         "turn), continuous (an episode's next turn joins the running engine batch as soon as its last one is "
         "played, and freed slots take new episodes at once; deterministic, the engine stays full; vllm "
