@@ -224,3 +224,46 @@ def test_buffer_scale_keeps_every_labelled_sign_where_buffer_centring_flips_it(m
                 assert (adv > 0).all()
             elif sequence.episode == 1:
                 assert (adv < 0).all()  # the flip buffer_scale avoids
+
+
+def test_target_kl_stops_before_the_step_that_passes_it_and_keeps_the_policy_before(alfworld_experts,
+                                                                                      tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    labelled_buffer(alfworld_experts, tmp_path / "labelled.parquet")
+
+    def config(out, **extra):
+        cfg = PolicyStageConfig(
+            buffer_path=str(tmp_path / "labelled.parquet"), prompt=PROMPT,
+            model=ModelConfig(name_or_path=str(tiny_model_dir), precision="fp32", device="cpu",
+                              lora=LoraSettings(enabled=False)),
+            objective=ObjectiveConfig(name="bppo", kl_coef=0.0), standardize_advantages="none",
+            max_steps=6, grad_accum_steps=1, tokens_per_batch=8192, save_every=1, keep_checkpoints=10,
+            output_dir=str(out), progress=False, tensorboard=False, **extra)
+        cfg.optim.lr, cfg.optim.warmup_ratio = 3e-3, 0.0
+        return cfg
+
+    free = run_policy_update(config(tmp_path / "free"), log=lambda m: None)
+    kls = [s["approx_kl_old"] for s in free.stats]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and max(kls[1:]) > 0  # pi_old is where the stage starts
+    target = 0.99 * kls[3]
+    stop = next(i for i, kl in enumerate(kls) if kl > target)  # the first step whose KL passes the target
+    messages = []
+    guarded = run_policy_update(config(tmp_path / "guarded", target_kl=target), log=messages.append)
+    assert guarded.steps == stop and not guarded.interrupted and guarded.final_dir is not None
+    assert guarded.target_kl_stop == {"step": stop + 1, "approx_kl_old": pytest.approx(kls[stop])}
+    assert any(f"stopped before step {stop + 1} of 6" in m for m in messages)
+    summary = guarded.summary()
+    assert summary["target_kl_stop_step"] == stop + 1 and summary["steps"] == stop
+    # the final policy is the unguarded run's after `stop` steps: the step over the target was not applied
+    want = load_file(tmp_path / "free" / "checkpoints" / f"step-{stop:06d}" / "model.safetensors")
+    got = load_file(guarded.final_dir / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_target_kl_is_refused_for_pair_objectives():
+    with pytest.raises(ConfigError, match="target_kl"):
+        load_config(PolicyStageConfig, None, ["objective.name=dpo", "target_kl=0.02"])
+    with pytest.raises(ConfigError, match="target_kl"):
+        load_config(PolicyStageConfig, None, ["target_kl=0"])
+    assert PolicyStageConfig().target_kl is None  # the method as published: no guard unless asked

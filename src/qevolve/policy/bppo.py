@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.policy.batching import BatchMode, TrainSequence, collate, plan_batches
@@ -78,6 +78,18 @@ class PolicyStageConfig(TrainingConfig):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5),
                                description="optimizer and schedule")
     output_dir: str = Field("runs/policy", description="checkpoints, TensorBoard logs and the final policy")
+    target_kl: float | None = Field(None, gt=0.0, description="stop the stage before an optimizer step whose "
+                                    "micro-batches' approximate KL(pi_old || pi_theta) per action token "
+                                    "(approx_kl_old, the k3 estimator) exceeds this, and keep the policy of the "
+                                    "step before, as PPO's target_kl does; null: never stop (the method as "
+                                    "published)")
+
+    @model_validator(mode="after")
+    def _target_kl_needs_a_ratio(self) -> "PolicyStageConfig":
+        if self.target_kl is not None and self.objective.name in PAIR_OBJECTIVES:
+            raise ValueError(f"target_kl: the {self.objective.name} objective compares pairs of trajectories and "
+                             f"has no per-token KL to pi_old; set target_kl to null")
+        return self
 
     @field_validator("standardize_advantages", mode="before")
     @classmethod
@@ -101,12 +113,15 @@ class PolicyResult:
     # the last step's statistics saved with the checkpoint this invocation resumed from (reported
     # when it had no step left to run, as after a kill between the last checkpoint and the final save)
     resumed_stats: dict[str, float] = field(default_factory=dict)
+    # set when target_kl ended the stage: the optimizer step not taken (1-based) and its approx_kl_old
+    target_kl_stop: dict[str, float] | None = None
 
     def summary(self) -> dict[str, Any]:
         last = self.stats[-1] if self.stats else self.resumed_stats
+        stop = {f"target_kl_stop_{k}": v for k, v in self.target_kl_stop.items()} if self.target_kl_stop else {}
         return {"steps": self.steps, "sequences": self.sequences, "action_tokens": self.action_tokens,
                 "seconds": round(self.seconds, 1), "final_dir": str(self.final_dir) if self.final_dir else None,
-                **{f"last_{k}": v for k, v in last.items()}}
+                **stop, **{f"last_{k}": v for k, v in last.items()}}
 
 
 @torch.no_grad()
@@ -230,6 +245,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
         return batch, old, ref, adv
 
     stats_log: list[dict[str, float]] = []
+    target_kl_stop: dict[str, float] | None = None
     model = trainer.model  # policy.model, or its DDP/FSDP wrapper
     model.train()
     bar = progress_bar(total=total_steps, initial=start_step, desc=f"policy/{config.objective.name}", unit="step",
@@ -268,6 +284,14 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
             keys = sorted(step_stats)
             *values, step_tokens = dist.sum([step_stats[key] for key in keys] + [step_tokens])
             step_stats = dict(zip(keys, values))
+        # The guard reads the KL measured on this step's batch before its update (the same on every rank),
+        # so a rerun or a resume stops at the same step; the step's gradients are dropped, not applied.
+        if config.target_kl is not None and step_stats["approx_kl_old"] > config.target_kl:
+            target_kl_stop = {"step": step + 1, "approx_kl_old": step_stats["approx_kl_old"]}
+            trainer.optimizer.zero_grad(set_to_none=True)
+            log(f"policy: stopped before step {step + 1} of {total_steps}: approx_kl_old "
+                f"{step_stats['approx_kl_old']:.4f} > target_kl {config.target_kl}; the policy is that of step {step}")
+            break
         done = trainer.finish_step(f"policy/{config.objective.name}", step, step_stats, step_tokens, t0)
         stats_log.append(step_stats)
         bar.set_postfix(loss=f"{step_stats.get('loss', 0):.4f}", kl=f"{step_stats.get('kl_ref', 0):.4f}")
@@ -284,7 +308,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
                                     **acting_settings(config.env, config.prompt)})
     result = PolicyResult(step, total_steps, interrupted, len(sequences), action_tokens,
                           time.perf_counter() - started, final_dir, stats_log,
-                          (trainer.resume_state or {}).get("last_stats", {}))
+                          (trainer.resume_state or {}).get("last_stats", {}), target_kl_stop)
     if not interrupted and dist.is_main:
         summary = {**result.summary(), "final_dir": "final" if final_dir else None}  # relative, as in BC
         (output_dir / "policy_summary.json").write_text(json.dumps(summary, indent=1, default=str))
