@@ -469,7 +469,10 @@ def test_the_default_eval_folder_of_a_module_environment_has_no_colon(tiny_model
                               "prompt.reserve_action_tokens=8"], capsys, monkeypatch)
     assert code in (None, 0), err
     assert [p.name for p in (tmp_path / "runs" / "eval").iterdir()] == ["rooms_game_rooms-test"]
-    assert (tmp_path / "runs" / "eval" / "rooms_game_rooms-test" / "metrics.json").is_file()
+    metrics = json.loads((tmp_path / "runs" / "eval" / "rooms_game_rooms-test" / "metrics.json").read_text())
+    # the tiny random policy does not end its turn within 4 tokens: the one turn was cut, and the user is told
+    assert metrics["truncated_turn_rate"] == 1.0
+    assert "WARNING: 100.0% of the 1 turns hit agent.max_new_tokens=4" in err
 
 
 def test_ctrl_c_stops_env_play_without_tracebacks_from_starting_workers(tmp_path):

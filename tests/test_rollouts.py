@@ -105,6 +105,10 @@ def test_eval_writes_trajectories_and_metrics(tiny_model_dir, tmp_path):
     assert metrics["protocol"]["split"] == "unseen"
     episodes = read_episodes(tmp_path / "trajectories")
     assert sorted(ep.task_id for ep in episodes) == sorted(list_tasks("alfworld", "unseen")[::10][:2])
+    turns = [t for ep in episodes for t in ep.turns]  # the record survives storage; cut turns have 8 tokens
+    cut = [t for t in turns if t.info.get("truncated_generation")]
+    assert metrics["truncated_turn_rate"] == pytest.approx(len(cut) / len(turns))
+    assert cut and all(len(t.action_ids) == 8 for t in cut)
     # A second run resumes: nothing left to play, same trajectories.
     again = run_eval(config, tmp_path, progress=False)
     assert again["episodes"] == 2 and len(read_episodes(tmp_path / "trajectories")) == 2

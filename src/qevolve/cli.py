@@ -632,6 +632,14 @@ def _kept_failures(output: Path) -> Iterator[None]:
              "remove it before running again")
 
 
+def _echo_truncation(metrics: dict[str, Any], max_new_tokens: int) -> None:
+    from qevolve.evaluation.metrics import truncation_warning
+
+    warning = truncation_warning(metrics, max_new_tokens)
+    if warning:
+        typer.echo(warning, err=True)
+
+
 def _echo_first_failure(metrics: dict[str, Any]) -> None:
     """The failed count and first failure under a rollout/eval table (every episode failed: exit 1,
     possible only where agent.max_failed_share=1 let the run finish)."""
@@ -668,6 +676,7 @@ def rollout(
     print_table([{k: metrics[k] for k in ("env", "split", "episodes", "failed_episodes", "success_rate", "mean_reward",
                                           "mean_turns", "format_error_rate", "invalid_action_rate", "wall_seconds")}])
     typer.echo(f"wrote trajectories to {output}")
+    _echo_truncation(metrics, cfg.agent.max_new_tokens)
     _echo_first_failure(metrics)
 
 
@@ -764,9 +773,11 @@ def evaluate(
                                              "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate",
                                              "env_steps", "wall_seconds", "tokens_generated")})
         typer.echo(f"wrote {folder / 'metrics.json'}")
-        failures.append(metrics)
+        failures.append((metrics, cfg.agent.max_new_tokens))
     print_table(rows)
-    for metrics in failures:
+    for metrics, max_new_tokens in failures:
+        _echo_truncation(metrics, max_new_tokens)
+    for metrics, _ in failures:
         _echo_first_failure(metrics)
 
 

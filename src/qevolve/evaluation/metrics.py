@@ -27,10 +27,22 @@ def episode_metrics(episodes: Iterable[Episode], failed: int = 0) -> dict[str, A
         "mean_reward": sum(ep.score for ep in episodes) / n if n else 0.0,
         "mean_turns": len(turns) / len(episodes) if episodes else 0.0,
         "format_error_rate": sum(not t.format_valid for t in turns) / n_turns,
+        # generated turns cut at agent.max_new_tokens: a policy that rambles loses its action this way
+        "truncated_turn_rate": sum(bool(t.info.get("truncated_generation")) for t in turns) / n_turns,
         "invalid_action_rate": sum(t.format_valid and not t.action_valid for t in turns) / n_turns,
         "env_steps": sum(t.info.get("env_stepped", True) for t in turns),
         "tokens_generated": sum(len(t.action_ids or ()) for t in turns if t.action_logprobs is not None),
     }
+
+
+def truncation_warning(metrics: dict[str, Any], max_new_tokens: int) -> str | None:
+    """A one-line warning when generated turns hit the token limit (None when none did)."""
+    rate = metrics.get("truncated_turn_rate", 0.0)
+    if not rate:
+        return None
+    turns = round(metrics.get("mean_turns", 0.0) * (metrics["episodes"] - metrics.get("failed_episodes", 0)))
+    return (f"WARNING: {rate:.1%} of the {turns} turns hit agent.max_new_tokens={max_new_tokens} and were cut "
+            f"off mid-turn (truncated_turn_rate in metrics.json)")
 
 
 class FailedEpisodesError(RuntimeError):

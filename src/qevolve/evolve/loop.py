@@ -42,7 +42,7 @@ from qevolve.buffer.store import Episode, read_episodes, sorted_episodes, write_
 from qevolve.config import Derived, StageConfig, merge_trees, strip_derived
 from qevolve.critic.config import CriticConfig
 from qevolve.environments.experts import filter_task_types
-from qevolve.evaluation.metrics import FailedEpisodesError
+from qevolve.evaluation.metrics import FailedEpisodesError, truncation_warning
 from qevolve.evolve.run_dir import RunDirectory, run_environment
 from qevolve.policy.bc import BCConfig, BCDataConfig
 from qevolve.policy.bppo import PolicyStageConfig
@@ -53,8 +53,8 @@ from qevolve.rollouts.agent import AgentConfig
 from qevolve.allocator import release_free_memory
 from qevolve.seeding import DEMONSTRATIONS, derive_seed, seed_everything
 
-EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate", "episodes",
-             "failed_episodes", "env_steps", "tokens_generated")
+EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate",
+             "truncated_turn_rate", "episodes", "failed_episodes", "env_steps", "tokens_generated")
 
 
 class RolloutSettings(StageConfig):
@@ -625,6 +625,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 rc = RolloutConfig.model_validate(merge_trees(settings, merge_trees(rerank, {
                     "split": split, "model": {"name_or_path": policy_path}, "agent": {"seed": current["seed"]}})))
                 metrics = run_eval(rc, workdir, progress=config.progress)
+                warning = truncation_warning(metrics, rc.agent.max_new_tokens)
+                if warning:
+                    log(f"[{prefix}/eval_{split}] {warning}")
                 return ({"trajectories": "trajectories", "metrics": "metrics.json"},
                         {k: metrics[k] for k in EVAL_KEYS if k in metrics})
             inputs = {"policy": policy_path, **({"critic": critic_path} if critic_path else {})}
@@ -699,6 +702,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                    prompt=config.prompt, source="self",
                                    agent=config.rollout.agent.model_copy(update={"seed": current["seed"]}))
                 metrics = run_rollouts(rc, workdir, progress=config.progress, task_ids=task_ids)
+                warning = truncation_warning(metrics, rc.agent.max_new_tokens)
+                if warning:
+                    log(f"[{it}/rollouts] {warning}")
                 return {"trajectories": "."}, {k2: metrics[k2] for k2 in EVAL_KEYS if k2 in metrics}
 
             rollouts = stage(f"{it}/rollouts", {"policy": policy_path}, rollout_stage, generates=True)
