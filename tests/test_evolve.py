@@ -332,3 +332,62 @@ def test_rft_trains_on_the_won_episodes_of_the_buffer_only(alfworld_experts, tin
     assert result.train_sequences == len(prepare_sequences([expert, won], builder))
     assert result.losses[0] == pytest.approx(nll([expert, won]), rel=1e-4)
     assert abs(nll([expert, won, lost]) - nll([expert, won])) > 1e-3  # so the check can tell them apart
+
+
+def test_seed_replicates_run_one_resumable_run_per_seed(experts_path, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from qevolve import cli
+    from qevolve.evolve.loop import seed_replicates
+
+    base = tiny_config(tmp_path, experts_path, tiny_model_dir, name="rep")
+    overrides = ["name=rep", f"runs_dir={tmp_path / 'runs'}", "iterations=0", "progress=false", "num_threads=1",
+                 f"model.name_or_path={tiny_model_dir}", "model.precision=fp32", "model.device=cpu",
+                 "prompt.max_prompt_tokens=1024", "prompt.reserve_action_tokens=16",
+                 f"bc.data.train_path={experts_path}", "bc.max_steps=2", "bc.grad_accum_steps=1",
+                 "bc.tokens_per_batch=2048", "bc.tensorboard=false", "eval.splits=[seen]", "eval.limit=1",
+                 "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8"]
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["qevolve", "evolve", *overrides, *args])
+        capsys.readouterr()
+        try:
+            cli.main()
+        except SystemExit as stop:
+            assert stop.code in (None, 0), capsys.readouterr().err
+        return capsys.readouterr().out
+
+    out = run("--seeds", "0-1")
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["rep-s0", "rep-s1"]
+    manifests = [json.loads((runs / f"rep-s{s}" / "manifest.json").read_text()) for s in (0, 1)]
+    assert [m["seed"] for m in manifests] == [0, 1]
+    assert all(m["config"]["seeds"] is None and m["config"]["name"] == f"rep-s{s}" for s, m in zip((0, 1), manifests))
+    digests = [next(st["digests"] for st in m["stages"] if st["name"] == "bc") for m in manifests]
+    assert digests[0] != digests[1]  # another seed: another BC policy
+    assert "== seed 1 (2 of 2)" in out and f"qevolve compare {runs / 'rep-s0'} {runs / 'rep-s1'}" in out
+    # one more seed with --resume: the finished ones are kept as they are, only the new one runs
+    before = (runs / "rep-s0" / "manifest.json").read_text()
+    out = run("--seeds", "0,1,2", "--resume")
+    assert (runs / "rep-s0" / "manifest.json").read_text() == before
+    assert json.loads((runs / "rep-s2" / "manifest.json").read_text())["seed"] == 2
+    assert [c.name for c in seed_replicates(base.model_copy(update={"seeds": [3, 1]}))] == ["rep-s3", "rep-s1"]
+    with pytest.raises(ValueError, match="each seed once"):
+        seed_replicates(base.model_copy(update={"seeds": [1, 1]}))
+    with pytest.raises(ValueError, match="seed_replicates"):
+        run_evolve(base.model_copy(update={"seeds": [0, 1]}))
+
+
+@pytest.mark.parametrize("text, seeds", [("0-4", [0, 1, 2, 3, 4]), ("3", [3]), ("0,2,5", [0, 2, 5]), ("2-2", [2])])
+def test_seeds_option_forms(text, seeds):
+    from qevolve.cli import parse_seeds
+
+    assert parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["4-1", "a-b", "0,x", ""])
+def test_bad_seeds_option_is_a_clear_error(text):
+    import typer
+
+    from qevolve.cli import parse_seeds
+
+    with pytest.raises(typer.BadParameter, match="FIRST-LAST"):
+        parse_seeds(text)

@@ -848,24 +848,50 @@ def evolve(
                                 "iterations, baselines or variants (nothing else changed) extends a finished run"),
     redo: Optional[str] = typer.Option(None, "--redo", help="forget recorded stage STAGE (e.g. iter_1/critic) "
                                        "and every later one, then resume from it"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="seed replicates, e.g. 0-4 or 0,1,2: one run per "
+                                        "seed, one after another, in RUNS_DIR/NAME-sSEED (sets the config's seeds)"),
     show: bool = show_config_option(),
     defaults: bool = defaults_option(),
 ) -> None:
     """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
     from qevolve.config import load_config
-    from qevolve.evolve.loop import EvolveConfig, run_evolve
+    from qevolve.evolve.loop import EvolveConfig, run_evolve, seed_replicates
 
-    show_config("evolve", EvolveConfig, show, defaults, lambda: load_config(EvolveConfig, config, overrides or []),
+    overrides = list(overrides or [])
+    if seeds is not None:
+        overrides.append(f"seeds={parse_seeds(seeds)}")
+    show_config("evolve", EvolveConfig, show, defaults, lambda: load_config(EvolveConfig, config, overrides),
                 ["fields the loop sets itself are comments saying what decides them"])
-    cfg = load_config(EvolveConfig, config, overrides or [])
-    started = time.time()
-    with interruptible() as interrupted:
-        table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)
-    if interrupted:
-        raise typer.Exit(interrupted[0])
-    typer.echo(f"\nsuccess rate ({cfg.env}; {', '.join(cfg.eval.splits)}), run {cfg.runs_dir}/{cfg.name}, "
-               f"{(time.time() - started) / 60:.1f} min:")
-    print_table(table)
+    replicates = seed_replicates(load_config(EvolveConfig, config, overrides))
+    for number, cfg in enumerate(replicates, 1):
+        if len(replicates) > 1:
+            typer.echo(f"\n== seed {cfg.seed} ({number} of {len(replicates)}): {cfg.runs_dir}/{cfg.name}")
+        started = time.time()
+        with interruptible() as interrupted:
+            table = run_evolve(cfg, resume=resume, log=typer.echo, redo=redo)
+        if interrupted:
+            raise typer.Exit(interrupted[0])
+        typer.echo(f"\nsuccess rate ({cfg.env}; {', '.join(cfg.eval.splits)}), run {cfg.runs_dir}/{cfg.name}, "
+                   f"{(time.time() - started) / 60:.1f} min:")
+        print_table(table)
+    if len(replicates) > 1:
+        folders = " ".join(str(Path(c.runs_dir) / c.name) for c in replicates)
+        typer.echo(f"\nevery seed's run is done; compare them: qevolve compare {folders} --output "
+                   f"{Path(replicates[0].runs_dir) / replicates[0].name.rsplit('-s', 1)[0]}-seeds")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-4`` -> [0, 1, 2, 3, 4]; ``0,2,5`` -> [0, 2, 5]; a clear error otherwise."""
+    try:
+        if "-" in text.strip("-") and "," not in text:
+            first, last = (int(part) for part in text.split("-", 1))
+            if last < first:
+                raise ValueError
+            return list(range(first, last + 1))
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected a range FIRST-LAST (e.g. 0-4) or a comma-separated list "
+                                 f"(e.g. 0,1,2)", param_hint="--seeds") from None
 
 
 def main() -> None:

@@ -190,6 +190,9 @@ class EvolveConfig(StageConfig):
     runs_dir: str = Field("runs", description="folder of run directories")
     env: str = Field("alfworld", description="environment")
     seed: int = Field(0, description="seed of every stage (each stage derives its own from it)")
+    seeds: list[int] | None = Field(None, min_length=1, description="seed replicates: one run per seed, one after "
+                                    "another, each in RUNS_DIR/NAME-sSEED with seed=SEED and resumable on its own "
+                                    "(null: one run, RUNS_DIR/NAME with seed)")
     iterations: int = Field(1, ge=0, description="K, the number of self-evolving iterations")
     task_types: list[str] | None = Field(None, description="restrict the whole protocol (BC data, expert buffer, "
                                          "rollout and evaluation tasks) to these task types (null: all)")
@@ -516,6 +519,18 @@ def record_evaluation(policy_folder: Path, config: EvolveConfig, prefix: str) ->
         path.write_text(json.dumps(info, indent=1, default=str))
 
 
+def seed_replicates(config: EvolveConfig) -> list[EvolveConfig]:
+    """The runs ``config.seeds`` asks for, in its order: NAME-sSEED with seed=SEED each (``config`` itself
+    when ``seeds`` is null). Each replicate records ``seeds: null``, so adding seeds later leaves the
+    existing replicates resumable."""
+    if not config.seeds:
+        return [config]
+    if len(set(config.seeds)) != len(config.seeds):
+        raise ValueError(f"seeds {config.seeds}: each seed once")
+    return [config.model_copy(update={"seed": seed, "seeds": None, "name": f"{config.name}-s{seed}"})
+            for seed in config.seeds]
+
+
 def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,
                stop_before: str | None = None, redo: str | None = None) -> dict[str, Any]:
     """Run (or resume) the loop; returns the success-rate table. ``stop_before`` ends the run just
@@ -534,6 +549,8 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     # One thread count for the whole run: CPU reductions (hence weights) depend on it. Set before any
     # engine starts and asserted again at every stage (vLLM's CPU worker replaces torch.set_num_threads
     # with a no-op when its engine starts in this process; build_engine puts it back).
+    if config.seeds:
+        raise ValueError("run_evolve runs one seed: give each of seed_replicates(config) to it")
     threads = config.num_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     validate_inputs(config)
