@@ -127,17 +127,10 @@ def test_continuous_runs_are_reproducible(tiny, temperature):
 
 
 @needs_vllm
-def test_an_environment_exception_fails_its_episode_with_its_turns_under_continuous(tiny, tmp_path, monkeypatch):
-    game = tmp_path / "unlucky_schedule_counter.py"
-    game.write_text("from qevolve.environments.testing import QuietCounterEnv\n\n\n"
-                    "class Unlucky(QuietCounterEnv):\n"
-                    "    def step(self, action):\n"
-                    "        if self.count == 2:\n"
-                    "            raise ZeroDivisionError('three is unlucky')\n"
-                    "        return super().step(action)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_an_environment_exception_fails_its_episode_with_its_turns_under_continuous(tiny):
     backend = _backend(tiny)
-    result = _play(tiny, backend, "continuous", env="unlucky_schedule_counter:Unlucky", episodes_per_task=1)
+    result = _play(tiny, backend, "continuous", env="qevolve.environments.testing:UnluckyCounterEnv",
+                   episodes_per_task=1)
     by_task = {ep.task_id: ep for ep in result.episodes}
     assert len(result.episodes) == 5 and len(result.failed) == 3
     assert {ep_id for ep_id, _ in result.failed} == {by_task[f"count-{n}"].episode_id for n in (3, 4, 5)}

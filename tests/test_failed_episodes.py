@@ -51,15 +51,8 @@ def test_the_console_names_the_turn_and_action_of_the_first_failure(tmp_path, ca
 
     from qevolve import cli
 
-    game = tmp_path / "unlucky_counter.py"
-    game.write_text("from qevolve.environments.testing import QuietCounterEnv\n\n\n"
-                    "class Unlucky(QuietCounterEnv):\n"
-                    "    def step(self, action):\n"
-                    "        if self.count == 2:\n"
-                    "            raise ZeroDivisionError('three is unlucky')\n"
-                    "        return super().step(action)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(sys, "argv", ["qevolve", "env", "play", "unlucky_counter:Unlucky", "--split", "train",
+    monkeypatch.setattr(sys, "argv", ["qevolve", "env", "play", "qevolve.environments.testing:UnluckyCounterEnv",
+                                      "--split", "train",
                                       "--workers", "1", "--output", str(tmp_path / "x.parquet")])
     with pytest.raises(SystemExit) as exit_info:
         cli.main()

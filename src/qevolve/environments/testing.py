@@ -88,3 +88,14 @@ class JitteryCounterEnv(QuietCounterEnv):
     def step(self, action: str) -> StepResult:
         time.sleep(self._delay)
         return super().step(action)
+
+
+class UnluckyCounterEnv(QuietCounterEnv):
+    """The quiet counter whose third step raises (``ZeroDivisionError: three is unlucky``): tasks count-1
+    and count-2 are won, count-3 to count-5 fail at their third turn, with two turns played
+    (``qevolve.environments.testing:UnluckyCounterEnv``, for the tests of failed episodes)."""
+
+    def step(self, action: str) -> StepResult:
+        if self.count == 2:
+            raise ZeroDivisionError("three is unlucky")
+        return super().step(action)
