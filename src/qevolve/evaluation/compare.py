@@ -395,7 +395,8 @@ def _render_seeds(result: dict[str, Any], name: str) -> list[str]:
         for row in rows:
             stats = row[metric]
             per_seed = " / ".join(_fmt(v) for v in stats["per_seed"])
-            cells = [row["split"], row["method"], str(row["runs"]), per_seed, _interval(stats["mean"], stats["mean_ci"])]
+            cells = [row["split"], row["method"], str(row["runs"]), per_seed,
+                     _interval(stats["mean"], stats["mean_ci"])]
             if iqm:
                 cells.append(_fmt(stats["iqm"]))
             cells += [_interval(stats.get("diff"), stats.get("diff_ci"), "+"),
