@@ -158,7 +158,9 @@ def load_eval_folder(folder: Path, run: str, label: str) -> Evaluation:
 
 def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10_000,
                  seed: int = 0, extras: list[tuple[str, Path]] | None = None) -> dict[str, Any]:
-    """Rows method x split (x run, plus pooled rows over runs) and each run's diagnostics.
+    """Rows method x split (x run, plus pooled rows over runs) and each run's diagnostics; for several
+    runs, which must be seeds of one protocol (:func:`check_one_protocol`), also the summary over
+    seeds of :func:`seed_summary` (keys ``seed_runs``, ``seed_rows``, ``seed_overall``).
 
     ``extras`` are (label, folder) pairs of stand-alone ``qevolve eval`` outputs (e.g. a post-hoc
     policy trained from a run's buffer); each is compared with the first run's baseline, paired over
