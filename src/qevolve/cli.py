@@ -397,7 +397,8 @@ def diff(run_a: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
 
 
 @app.command("compare")
-def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME); several = seeds, pooled too"),
+def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME); several = seeds of one "
+                                              "protocol: run by run, pooled, and summarised over seeds"),
             output: Optional[Path] = typer.Option(None, help="folder for results.md and results.json (against "
                                                   "another baseline: results_vs_<baseline>.md/.json; default: the "
                                                   "run directory when one is given)"),
@@ -406,7 +407,8 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
             seed: int = typer.Option(0, help="seed of the bootstrap"),
             extra: list[str] = typer.Option([], help="LABEL=FOLDER: also a stand-alone `qevolve eval` output "
                                             "folder, compared with the first run's baseline (repeatable)")) -> None:
-    """Method x split success and reward, each with a paired-bootstrap 95% CI of its difference to SFT."""
+    """Method x split success and reward, each with a paired-bootstrap 95% CI of its difference to SFT; over
+    several seeds also each seed's value, their mean, a two-level bootstrap 95% CI, P(improvement) and IQM."""
     from qevolve.evaluation.compare import compare_runs, render_markdown, results_stem
     from qevolve.evolve.run_dir import write_json_atomic
 

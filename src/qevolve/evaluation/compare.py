@@ -11,6 +11,12 @@ episodes, draw n indices with replacement ``resamples`` times and take the 2.5th
 percentiles of ``mean(x - y)`` over the draws (seeded, so the table is reproducible). Several runs
 (e.g. seeds) are reported run by run and, for methods present in every run, pooled: the pairs of
 all runs resampled together.
+
+Several runs are seeds of one protocol (checked: the same baseline splits and episodes in every
+run), summarised per method and split by :func:`seed_summary`: each seed's value, their mean with a
+two-level bootstrap interval (seeds, then goals within each seed), the paired difference to the
+baseline, the probability of improvement and, from 5 seeds, the interquartile mean (estimators in
+:mod:`qevolve.evaluation.stats`).
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from qevolve.buffer.store import read_episodes, shard_paths
+from qevolve.evaluation.stats import (IQM_MIN_SEEDS, draw_seeds, improvement_probability, interquartile_mean,
+                                      percentile_interval, seed_mean, two_level_means)
 
-__all__ = ["paired_bootstrap", "load_run_evaluations", "compare_runs", "render_markdown", "method_name",
-           "results_stem"]
+__all__ = ["paired_bootstrap", "load_run_evaluations", "compare_runs", "seed_summary", "check_one_protocol",
+           "render_markdown", "method_name", "results_stem"]
 
 # What the diagnosis of a run reads from its manifest: (stage suffix, metric) pairs, where present.
 DIAGNOSTICS = [
@@ -60,6 +68,7 @@ class Evaluation:
     split: str
     outcomes: dict[str, tuple[float, float]]  # episode id -> (won, score)
     metrics: dict[str, Any]
+    failed_episodes: int = 0  # lost to environment failures (counted in outcomes as lost, reward 0)
 
 
 def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any]]:
@@ -78,8 +87,10 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
         if not (folder.is_dir() and shard_paths(folder)):
             raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
                              f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
-        evaluations.append(Evaluation(run_dir.name, prefix, leaf[len("eval_"):], _outcomes(folder),
-                                      stage.get("metrics", {})))
+        metrics = stage.get("metrics", {})
+        outcomes, failed = _outcomes(folder)
+        evaluations.append(Evaluation(run_dir.name, prefix, leaf[len("eval_"):], outcomes, metrics,
+                                      int(metrics.get("failed_episodes", failed))))
     return evaluations, manifest
 
 
@@ -90,9 +101,13 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
 
 
-def _outcomes(trajectories: Path) -> dict[str, tuple[float, float]]:
-    """Episode id -> (won, final score) of an evaluation's trajectory shards."""
-    return {ep.episode_id: (float(ep.won), float(ep.score)) for ep in read_episodes(trajectories)}
+def _outcomes(trajectories: Path) -> tuple[dict[str, tuple[float, float]], int]:
+    """Episode id -> (won, final score) of an evaluation's trajectory shards, and how many failed."""
+    outcomes, failed = {}, 0
+    for ep in read_episodes(trajectories):
+        outcomes[ep.episode_id] = (float(ep.won), float(ep.score))
+        failed += ep.failed
+    return outcomes, failed
 
 
 def _row(label: str, run: str, split: str, evaluation_pairs: list[tuple[Evaluation, Evaluation | None]],
@@ -137,12 +152,15 @@ def load_eval_folder(folder: Path, run: str, label: str) -> Evaluation:
     trajectories = folder / "trajectories"
     if not (trajectories.is_dir() and shard_paths(trajectories)):
         raise ValueError(f"{folder}: its trajectories folder holds no shards")
-    return Evaluation(run, f"extra:{label}", split, _outcomes(trajectories), metrics)
+    outcomes, failed = _outcomes(trajectories)
+    return Evaluation(run, f"extra:{label}", split, outcomes, metrics, int(metrics.get("failed_episodes", failed)))
 
 
 def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10_000,
                  seed: int = 0, extras: list[tuple[str, Path]] | None = None) -> dict[str, Any]:
-    """Rows method x split (x run, plus pooled rows over runs) and each run's diagnostics.
+    """Rows method x split (x run, plus pooled rows over runs) and each run's diagnostics; for several
+    runs, which must be seeds of one protocol (:func:`check_one_protocol`), also the summary over
+    seeds of :func:`seed_summary` (keys ``seed_runs``, ``seed_rows``, ``seed_overall``).
 
     ``extras`` are (label, folder) pairs of stand-alone ``qevolve eval`` outputs (e.g. a post-hoc
     policy trained from a run's buffer); each is compared with the first run's baseline, paired over
@@ -185,8 +203,118 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
                 if kind == suffix and key in stage.get("metrics", {}):
                     diag[f"{stage['name']}:{key}"] = stage["metrics"][key]
         diagnostics[run_dir.name] = diag
-    return {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r[0]) for r in runs],
-            "rows": rows, "diagnostics": diagnostics}
+    result = {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r[0]) for r in runs],
+              "rows": rows, "diagnostics": diagnostics}
+    if len(runs) > 1:  # seeds of one protocol: the summary over seeds (a single run's output is unchanged)
+        seeded = [(run_dir, evaluations) for run_dir, evaluations, _ in runs]
+        check_one_protocol(seeded, baseline)
+        result.update(seed_summary(seeded, order, baseline, resamples, seed))
+    return result
+
+
+def check_one_protocol(runs: list[tuple[Path, list[Evaluation]]], baseline: str = "bc") -> None:
+    """Raise a one-line ``ValueError`` naming the run directory unless the runs are seeds of one protocol.
+
+    One protocol: every run evaluated the baseline on the same splits and the same episodes (episode
+    ids name the environment, split, task and episode index, which the seed does not change). Other
+    methods may be missing in some runs: they are summarised over the runs that have them."""
+    name = method_name(baseline)
+
+    def baseline_episodes(run_dir: Path, evaluations: list[Evaluation]) -> dict[str, set[str]]:
+        found = {e.split: set(e.outcomes) for e in evaluations if e.prefix == baseline}
+        if not found:
+            raise ValueError(f"{run_dir}: no evaluation of the baseline {name} ({baseline}/eval_<split>), which "
+                             f"every seed needs to be compared")
+        return found
+
+    first_dir, first = runs[0][0], baseline_episodes(*runs[0])
+    for run_dir, evaluations in runs[1:]:
+        episodes = baseline_episodes(run_dir, evaluations)
+        for split in sorted(first.keys() - episodes.keys()):
+            raise ValueError(f"{run_dir}: no {baseline}/eval_{split} ({name} on split {split!r}), which {first_dir} "
+                             f"has: the runs are not seeds of one protocol")
+        for split in sorted(episodes.keys() - first.keys()):
+            raise ValueError(f"{run_dir}: {name} is evaluated on split {split!r}, which {first_dir} does not "
+                             f"evaluate: the runs are not seeds of one protocol")
+        for split in sorted(episodes):
+            if episodes[split] != first[split]:
+                other = sorted(episodes[split] ^ first[split])
+                raise ValueError(f"{run_dir}: {name} on split {split!r} evaluates other episodes than in "
+                                 f"{first_dir} ({len(other)} differ, e.g. {other[0]!r}): the runs are not seeds "
+                                 f"of one protocol")
+
+
+def seed_summary(runs: list[tuple[Path, list[Evaluation]]], order: list[tuple[str, str]], baseline: str = "bc",
+                 resamples: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """Per method and split, over the runs (seeds) that evaluated it: each seed's success rate and mean
+    reward, their mean with its 95% interval, the IQM (from 5 seeds), the paired difference to the
+    baseline and P(method > baseline), with the failed episodes and the number of runs.
+
+    Intervals come from the two-level bootstrap (:func:`~qevolve.evaluation.stats.two_level_means`):
+    resample the seeds with replacement, then the goals within each resampled seed. For the
+    difference and P(improvement) the resampling is paired: the method and the baseline of a seed
+    share its run and its goals, so both get the same resampled seeds and the same resampled goals,
+    over the goals (episode ids) both evaluated in that seed. Every (method, split) draws from a
+    fresh ``np.random.default_rng(seed)``, seeds first, so methods and splits evaluated by the same
+    runs share one draw of seeds (a resampled seed is a whole run); the P(improvement) over all
+    splits (rliable: averaged over tasks, here splits) is then averaged draw by draw."""
+    names = [run_dir.name for run_dir, _ in runs]
+    found = [{(e.prefix, e.split): e for e in evaluations} for _, evaluations in runs]
+    rows, draws = [], {}
+    for prefix, split in order:
+        have = [i for i, f in enumerate(found) if (prefix, split) in f]
+        evals = [found[i][(prefix, split)] for i in have]
+        rng = np.random.default_rng(seed)
+        seed_draws = draw_seeds(rng, len(have), resamples)
+        own = [np.array(list(e.outcomes.values()), dtype=np.float64).reshape(-1, 2) for e in evals]
+        own_means = two_level_means(own, seed_draws, rng).mean(axis=1)  # (R, 2): success, reward
+        row: dict[str, Any] = {"method": method_name(prefix), "prefix": prefix, "split": split, "runs": len(have),
+                               "run_names": [names[i] for i in have],
+                               "episodes": sum(len(e.outcomes) for e in evals),
+                               "failed_episodes": sum(e.failed_episodes for e in evals),
+                               "failed_per_seed": [found[i][(prefix, split)].failed_episodes if i in have else None
+                                                   for i in range(len(runs))]}
+        paired = None
+        if prefix != baseline:
+            pairs = []
+            for i, e in zip(have, evals):
+                base = found[i].get((baseline, split))  # absent: a split the baseline is not evaluated on
+                common = sorted(set(e.outcomes) & set(base.outcomes)) if base else []
+                pairs.append(np.array([e.outcomes[k] + base.outcomes[k] for k in common], dtype=np.float64))
+            if all(len(p) for p in pairs):  # columns: won, score of the method; won, score of the baseline
+                paired = two_level_means(pairs, seed_draws, rng)  # (R, S, 4), the same goals for both
+        for column, metric in enumerate(("success_rate", "mean_reward")):
+            values = [float(np.mean(o[:, column])) if len(o) else 0.0 for o in own]
+            stats: dict[str, Any] = {
+                "per_seed": [values[have.index(i)] if i in have else None for i in range(len(runs))],
+                "mean": float(seed_mean(values)), "mean_ci": list(percentile_interval(own_means[:, column])),
+                "iqm": float(interquartile_mean(values)) if len(values) >= IQM_MIN_SEEDS else None}
+            if paired is not None:
+                method_seeds = np.array([p[:, column].mean() for p in pairs])  # on the goals both evaluated
+                base_seeds = np.array([p[:, 2 + column].mean() for p in pairs])
+                diff_draws = (paired[..., column] - paired[..., 2 + column]).mean(axis=1)
+                poi_draws = improvement_probability(paired[..., column], paired[..., 2 + column])
+                stats.update({"diff": float(seed_mean(method_seeds - base_seeds)),
+                              "diff_ci": list(percentile_interval(diff_draws)),
+                              "p_improvement": float(improvement_probability(method_seeds, base_seeds)),
+                              "p_improvement_ci": list(percentile_interval(poi_draws))})
+                draws[(prefix, split, metric)] = poi_draws
+            row[metric] = stats
+        rows.append(row)
+    overall = []
+    for prefix in dict.fromkeys(p for p, _ in order):
+        mine = [r for r in rows if r["prefix"] == prefix and "p_improvement" in r["success_rate"]]
+        if prefix == baseline or not mine:
+            continue
+        entry: dict[str, Any] = {"method": method_name(prefix), "prefix": prefix, "splits": [r["split"] for r in mine],
+                                 "runs": max(r["runs"] for r in mine)}
+        same_runs = all(r["run_names"] == mine[0]["run_names"] for r in mine)  # then the draws share seeds
+        for metric in ("success_rate", "mean_reward"):
+            entry[metric] = {"p_improvement": float(np.mean([r[metric]["p_improvement"] for r in mine])),
+                             "p_improvement_ci": list(percentile_interval(np.mean(
+                                 [draws[(prefix, r["split"], metric)] for r in mine], axis=0))) if same_runs else None}
+        overall.append(entry)
+    return {"seed_runs": names, "seed_rows": rows, "seed_overall": overall}
 
 
 def method_name(prefix: str) -> str:
@@ -207,7 +335,8 @@ def results_stem(baseline: str) -> str:
 def _with_run(evaluation: Evaluation, run: str) -> Evaluation:
     """The same evaluation with episode ids made unique across runs (pooled pairs stay within a run)."""
     return Evaluation(evaluation.run, evaluation.prefix, evaluation.split,
-                      {f"{run}::{k}": v for k, v in evaluation.outcomes.items()}, evaluation.metrics)
+                      {f"{run}::{k}": v for k, v in evaluation.outcomes.items()}, evaluation.metrics,
+                      evaluation.failed_episodes)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -235,8 +364,54 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {row['split']} | {row['method']} | {row['run']} | {row['episodes']} | "
                      f"{_fmt(row['success_rate'])} | {_fmt(row['mean_reward'])} | {_fmt(row['invalid_action_rate'])} "
                      f"| {diff} | {reward} |")
+    if result.get("seed_rows"):
+        lines += _render_seeds(result, name)
     for run, diag in result["diagnostics"].items():
         if diag:
             lines += ["", f"Diagnostics of `{run}` (from its manifest):", "", "| stage:metric | value |", "|---|---|"]
             lines += [f"| {key} | {_fmt(value, 4)} |" for key, value in diag.items()]
     return "\n".join(lines) + "\n"
+
+
+def _interval(value: float | None, ci: list[float] | None, sign: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:{sign}.3f}" + (f" [{ci[0]:{sign}.3f}, {ci[1]:{sign}.3f}]" if ci else "")
+
+
+def _render_seeds(result: dict[str, Any], name: str) -> list[str]:
+    """The summary over seeds: one table per metric, then P(improvement) over all splits."""
+    runs, rows = result["seed_runs"], result["seed_rows"]
+    iqm = any(row["runs"] >= IQM_MIN_SEEDS for row in rows)  # the IQM column only where some row has 5 seeds
+    lines = ["", f"Over {len(runs)} seeds ({', '.join(runs)}): each seed's value; their mean with a two-level "
+             f"bootstrap 95% interval (seeds resampled, then goals within each seed; {result['resamples']:,} "
+             f"resamples, seed {result['seed']}); the difference to {name} and P(improvement) (the probability "
+             f"that a random seed of the method beats a random seed of {name}) paired: the same resampled seeds "
+             f"and goals for both" + (f"; IQM (mean of the middle 50% of the seeds) from {IQM_MIN_SEEDS} seeds" if iqm
+                                      else "") + ". A method missing in some seeds is summarised over the seeds "
+             "that have it (runs)."]
+    for metric, title in (("success_rate", "success"), ("mean_reward", "reward")):
+        header = (f"| split | method | runs | {title} per seed | mean [95% CI] |" + (" IQM |" if iqm else "")
+                  + f" {title} - {name} [95% CI] | P({title} > {name}) [95% CI] | failed episodes |")
+        lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
+        for row in rows:
+            stats = row[metric]
+            per_seed = " / ".join(_fmt(v) for v in stats["per_seed"])
+            cells = [row["split"], row["method"], str(row["runs"]), per_seed,
+                     _interval(stats["mean"], stats["mean_ci"])]
+            if iqm:
+                cells.append(_fmt(stats["iqm"]))
+            cells += [_interval(stats.get("diff"), stats.get("diff_ci"), "+"),
+                      _interval(stats.get("p_improvement"), stats.get("p_improvement_ci")), str(row["failed_episodes"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    if result.get("seed_overall"):
+        lines += ["", f"P(improvement) over all splits (the mean of the splits' P(method > {name}), as rliable "
+                  "averages over tasks):", "",
+                  f"| method | runs | splits | P(success > {name}) [95% CI] | P(reward > {name}) [95% CI] |",
+                  "|---|---|---|---|---|"]
+        for entry in result["seed_overall"]:
+            cells = [entry["method"], str(entry["runs"]), ", ".join(entry["splits"])]
+            cells += [_interval(entry[m]["p_improvement"], entry[m]["p_improvement_ci"])
+                      for m in ("success_rate", "mean_reward")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
