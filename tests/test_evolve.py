@@ -47,10 +47,22 @@ def test_two_iterations_end_to_end_and_resume_after_a_kill_in_the_critic(experts
     root = tmp_path / "a" / "runs" / "tiny"
     manifest = json.loads((root / "manifest.json").read_text())
     names = [s["name"] for s in manifest["stages"]]
-    assert names == ["bc", "bc/eval_seen", "bc/eval_unseen"] + [
+    assert names == ["bc", "bc/probe", "bc/eval_seen", "bc/eval_unseen"] + [
         f"iter_{k}/{stage}" for k in (1, 2) for stage in
-        ("rollouts", "buffer", "critic", "label", "policy", "eval_seen", "eval_unseen")]
+        ("rollouts", "buffer", "critic", "label", "policy", "probe", "eval_seen", "eval_unseen")]
     assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "Q-Evolve iter 2"]
+    # the format probe of every policy, on the same states (BC's demonstrations: the tiny expert set is all used)
+    probes = {s["name"]: s for s in manifest["stages"] if s["name"].endswith("/probe")}
+    for probe in probes.values():
+        # fewer turns than probe.states (32): every turn of the demonstrations
+        assert probe["metrics"]["states"] == min(32, sum(ep.num_turns for ep in read_episodes(experts_path)))
+        assert probe["metrics"]["held_out_states"] == 0
+        assert {"format_error_rate", "truncated_turn_rate", "length_p50", "length_p90", "length_max"} <= set(probe["metrics"])
+        assert probe["metrics"]["max_new_tokens"] == 8  # eval.agent's
+    rows = [[(r["episode_id"], r["turn_index"]) for r in map(json.loads, (root / n / "probe.jsonl").read_text().splitlines())]
+            for n in probes]
+    assert all(r == rows[0] for r in rows) and len(rows[0]) == probes["bc/probe"]["metrics"]["states"]
+    assert probes["iter_1/probe"]["inputs"]["policy"] == "iter_1/policy/final"
     critic_metrics = next(s["metrics"] for s in manifest["stages"] if s["name"] == "iter_1/critic")
     assert critic_metrics["converged"] in (0, 1) and "v_mean" in critic_metrics  # the convergence check is recorded
     labelled = read_episodes(root / "iter_2/label/labelled.parquet")
@@ -196,11 +208,12 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     table = run_evolve(config, log=lambda m: None)
     root = tmp_path / "runs" / "baselines"
     names = [s["name"] for s in json.loads((root / "manifest.json").read_text())["stages"]]
-    assert names == ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
-                     "iter_1/policy", "iter_1/eval_seen", "iter_1/rft/policy", "iter_1/rft/eval_seen",
-                     "iter_1/eto/policy", "iter_1/eto/eval_seen", "iter_1/rerank/eval_seen", "iter_1/q_minus_v/label",
-                     "iter_1/q_minus_v/policy", "iter_1/q_minus_v/eval_seen", "iter_1/awr/policy",
-                     "iter_1/awr/eval_seen"]
+    assert names == ["bc", "bc/probe", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic",
+                     "iter_1/label", "iter_1/policy", "iter_1/probe", "iter_1/eval_seen", "iter_1/rft/policy",
+                     "iter_1/rft/probe", "iter_1/rft/eval_seen", "iter_1/eto/policy", "iter_1/eto/probe",
+                     "iter_1/eto/eval_seen", "iter_1/rerank/eval_seen", "iter_1/q_minus_v/label",
+                     "iter_1/q_minus_v/policy", "iter_1/q_minus_v/probe", "iter_1/q_minus_v/eval_seen",
+                     "iter_1/awr/policy", "iter_1/awr/probe", "iter_1/awr/eval_seen"]
     assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "RFT (iter 1 buffer)",
                                                 "ETO-DPO (iter 1 buffer)", "critic re-rank (iter 1 critic)",
                                                 "q_minus_v (iter 1)", "awr (iter 1)"]
@@ -237,6 +250,34 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
         set(read_event_scalars(root / "tensorboard"))
 
 
+def test_the_format_probe_warns_when_the_update_raised_format_errors_and_is_skipped_on_resume(
+        experts_path, tiny_model_dir, tmp_path):
+    """A negative probe.max_format_error_increase makes any policy update cross it: the warning names the stage."""
+    config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="probe")
+    config = config.model_copy(update={
+        "iterations": 1, "eval": config.eval.model_copy(update={"splits": ["seen"]}),
+        "probe": config.probe.model_copy(update={"states": 4, "max_format_error_increase": -1.0})})
+    lines: list[str] = []
+    run_evolve(config, log=lines.append)
+    root = tmp_path / "runs" / "probe"
+    stages = {s["name"]: s for s in json.loads((root / "manifest.json").read_text())["stages"]}
+    bc, it = stages["bc/probe"]["metrics"], stages["iter_1/probe"]["metrics"]
+    assert bc["states"] == it["states"] == 4
+    assert f"[bc/probe] format errors {bc['format_error_rate']:.0%} on 4 states" in "\n".join(lines)
+    line = next(m for m in lines if m.startswith("[iter_1/probe] format errors"))
+    assert f"(BC {bc['format_error_rate']:.0%}) on 4 states" in line and "max_new_tokens=8" in line
+    assert any(m.startswith("[iter_1/probe] WARNING: the format-error rate rose") and "probe.jsonl" in m
+               for m in lines)
+    assert not any(m.startswith("[bc/probe] WARNING") for m in lines)
+    # resumed (nothing left to do): the probes are skipped, their lines and the warning are logged again
+    again: list[str] = []
+    run_evolve(config, resume=True, log=again.append)
+    assert "[bc/probe] done earlier, skipped (resume)" in again and "[iter_1/probe] done earlier, skipped (resume)" in again
+    assert not any(m.endswith("] running") for m in again)
+    assert any(m.startswith("[iter_1/probe] WARNING") for m in again)
+    assert json.loads((root / "manifest.json").read_text())["stages"] == list(stages.values())
+
+
 def test_a_bad_variant_override_names_the_variant(experts_path, tiny_model_dir, tmp_path):
     config = tiny_config(tmp_path, experts_path, tiny_model_dir, name="badvariant")
     with pytest.raises(ValueError, match="variants.oops.label"):  # at start-up, before any stage
@@ -261,9 +302,9 @@ def test_a_finished_run_extends_with_a_baseline_a_variant_and_an_iteration(exper
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["stages"][:len(before)] == before  # recorded stages kept as they were, not rerun
     assert [s["name"] for s in manifest["stages"][len(before):]] == [
-        "iter_1/rft/policy", "iter_1/rft/eval_seen", "iter_1/q_minus_v/label", "iter_1/q_minus_v/policy",
-        "iter_1/q_minus_v/eval_seen", "iter_2/rollouts", "iter_2/buffer", "iter_2/critic", "iter_2/label",
-        "iter_2/policy", "iter_2/eval_seen"]
+        "iter_1/rft/policy", "iter_1/rft/probe", "iter_1/rft/eval_seen", "iter_1/q_minus_v/label",
+        "iter_1/q_minus_v/policy", "iter_1/q_minus_v/probe", "iter_1/q_minus_v/eval_seen", "iter_2/rollouts",
+        "iter_2/buffer", "iter_2/critic", "iter_2/label", "iter_2/policy", "iter_2/probe", "iter_2/eval_seen"]
     timings = [json.loads(line) for line in (root / "timings.jsonl").read_text().splitlines()]
     timed = [t["stage"] for t in timings]
     assert timed.count("bc") == 1 and timed.count("iter_1/policy") == 1
@@ -344,7 +385,7 @@ def test_seed_replicates_run_one_resumable_run_per_seed(experts_path, tiny_model
                  "prompt.max_prompt_tokens=1024", "prompt.reserve_action_tokens=16",
                  f"bc.data.train_path={experts_path}", "bc.max_steps=2", "bc.grad_accum_steps=1",
                  "bc.tokens_per_batch=2048", "bc.tensorboard=false", "eval.splits=[seen]", "eval.limit=1",
-                 "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8"]
+                 "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8", "probe.states=0"]
 
     def run(*args):
         monkeypatch.setattr(sys, "argv", ["qevolve", "evolve", *overrides, *args])
@@ -360,6 +401,7 @@ def test_seed_replicates_run_one_resumable_run_per_seed(experts_path, tiny_model
     assert sorted(p.name for p in runs.iterdir()) == ["rep-s0", "rep-s1"]
     manifests = [json.loads((runs / f"rep-s{s}" / "manifest.json").read_text()) for s in (0, 1)]
     assert [m["seed"] for m in manifests] == [0, 1]
+    assert [[st["name"] for st in m["stages"]] for m in manifests] == [["bc", "bc/eval_seen"]] * 2  # probe.states=0: no probe
     assert all(m["config"]["seeds"] is None and m["config"]["name"] == f"rep-s{s}" for s, m in zip((0, 1), manifests))
     digests = [next(st["digests"] for st in m["stages"] if st["name"] == "bc") for m in manifests]
     assert digests[0] != digests[1]  # another seed: another BC policy

@@ -58,6 +58,7 @@ def setup(tmp_path_factory, tiny_model_dir):
         "eval.splits=[seen]", "eval.limit=2", "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8",
         f"buffer.expert_path={experts}", "critic.epochs=1", "critic.feature_cache=false", "critic.head_hidden=16",
         "critic.device=cpu", "critic.retrospective.enabled=false",
+        "probe.states=0",  # the format probe's stages are a generating stage like eval's: not killed here too
         "policy.max_steps=3", "policy.grad_accum_steps=1", "policy.tokens_per_batch=2048", "policy.tensorboard=false",
     ]
     return folder, overrides

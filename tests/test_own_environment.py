@@ -80,8 +80,8 @@ def test_the_doc_runs_as_written_from_the_game_to_evolve(tmp_path):
                                      for ep in experts)
     root = tmp_path / "runs" / "rooms"
     stages = [s["name"] for s in json.loads((root / "manifest.json").read_text())["stages"]]
-    assert stages == ["bc", "bc/eval_test", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic", "iter_1/label",
-                      "iter_1/policy", "iter_1/eval_test"]
+    assert stages == ["bc", "bc/probe", "bc/eval_test", "iter_1/rollouts", "iter_1/buffer", "iter_1/critic",
+                      "iter_1/label", "iter_1/policy", "iter_1/probe", "iter_1/eval_test"]
     rollouts = read_episodes(root / "iter_1" / "rollouts")
     assert len(rollouts) == 6 and not any(ep.failed for ep in rollouts)  # played in the workers, none lost
     # r_aux from the penalties the class declares (the config has no entry for this environment)

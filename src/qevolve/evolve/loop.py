@@ -1,6 +1,7 @@
 """``qevolve evolve``: the whole Q-Evolve loop (method section 2, Algorithm 1), stage by stage.
 
     pi <- BC(D_expert)                                        stage bc (or a given checkpoint)
+    probe pi's turn format on fixed held-out states          bc/probe
     evaluate pi on seen and unseen                            bc/eval_<split>
     for k in 1..K:
         D_self <- rollouts of pi on training tasks            iter_k/rollouts
@@ -8,15 +9,21 @@
         V, Q   <- weighted IQL on D with r_env + r_aux        iter_k/critic
         A_t    <- process rewards from V (GAE on r_env)       iter_k/label
         pi     <- BPPO on (s_t, a_t, A_t) of D                iter_k/policy
+        probe pi's turn format (compared with BC's)           iter_k/probe
         evaluate pi on seen and unseen                        iter_k/eval_<split>
 
 Baselines and ablations at equal data (iteration 1 only, from the same BC policy and the same buffer):
 
-    baselines: rft     BC continued on the buffer's won episodes   iter_1/rft/policy, iter_1/rft/eval_<split>
-               eto     DPO on (better, worse) pairs of one task    iter_1/eto/policy, iter_1/eto/eval_<split>
+    baselines: rft     BC continued on the buffer's won episodes   iter_1/rft/{policy,probe,eval_<split>}
+               eto     DPO on (better, worse) pairs of one task    iter_1/eto/{policy,probe,eval_<split>}
                rerank  the critic picks among sampled turns        iter_1/rerank/eval_<split>
-    variants:  NAME  the critic/label/policy stages again with     iter_1/NAME/{critic,label,policy,eval_<split>}
+    variants:  NAME  the critic/label/policy stages again with     iter_1/NAME/{critic,label,policy,probe,eval_<split>}
                      overrides (e.g. plain IQL, Q - V, AWR)
+
+The probe stages (``probe.states``; 0 leaves them out) generate one greedy turn of the policy on the
+same fixed states for every policy and record its format-error rate, the share of turns cut at
+``max_new_tokens`` and the generated lengths (:mod:`qevolve.evaluation.probe`), so a policy update
+that broke the turn format is named before its evaluation plays a single episode.
 
 Every stage runs through :class:`qevolve.evolve.run_dir.RunDirectory`: it writes into a work
 folder that is renamed into ``runs/NAME/<stage>`` when it finishes, and the manifest records what
@@ -99,6 +106,17 @@ class RerankSettings(StageConfig):
                               "re-ranking costs a critic pass per turn")
     task_stride: int | None = Field(None, ge=1, description="every k-th task of each split (null: "
                                     "eval.task_stride); spreads a smaller evaluation over the task types")
+
+
+class ProbeSettings(StageConfig):
+    """The format probe: one greedy turn of each trained policy on fixed held-out states, before its evaluation."""
+
+    states: int = Field(32, ge=0, description="states probed per policy (stages bc/probe, iter_k/probe, ...): "
+                        "turns of expert demonstrations that no training stage used when there are any, else of "
+                        "behaviour cloning's demonstrations; the same states for every policy of the run (0: no probe)")
+    max_format_error_increase: float = Field(0.2, description="warn when a trained policy's probe format-error "
+                                             "rate exceeds the BC policy's by more than this (a share, 0.2 = 20 "
+                                             "points)")
 
 
 class VariantSettings(StageConfig):
@@ -217,6 +235,8 @@ class EvolveConfig(StageConfig):
         "(rejection-sampling fine-tuning: BC on the buffer's won episodes, expert and self), eto (DPO on "
         "trajectory pairs of the same task), rerank (no policy update: the critic picks among sampled turns)")
     rerank: RerankSettings = Field(default_factory=RerankSettings, description="the rerank baseline")
+    probe: ProbeSettings = Field(default_factory=ProbeSettings, description="the format probe of each trained "
+                                 "policy before its evaluation (generated with eval.agent's settings)")
     rft: BCConfig = Field(default_factory=lambda: BCConfig(epochs=1, grad_accum_steps=2),
                           description="the rft baseline's training (its data, model, prompt, seed and output are "
                           "set by the loop: the buffer's won episodes, starting from the iteration's policy)")
@@ -463,6 +483,48 @@ def buffer_experts(config: EvolveConfig) -> list[Episode]:
     return experts
 
 
+def probe_store(config: EvolveConfig) -> Path | None:
+    """The expert store the format probe draws its states from: behaviour cloning's (``bc.data.train_path``,
+    else DATA_DIR/experts/ENV); None when it does not exist (a reused ``init_checkpoint`` without expert data)."""
+    from qevolve.paths import data_dir
+
+    path = Path(config.bc.data.train_path).expanduser() if config.bc.data.train_path else \
+        data_dir() / "experts" / config.env
+    return path if path.exists() else None
+
+
+def probe_states(config: EvolveConfig) -> tuple[list[tuple[Episode, int]], bool]:
+    """The states of the run's format probes (``probe.states`` of them, the same for every policy of the
+    run, so the trained policies compare with the BC policy on equal terms) and whether they are held out.
+
+    Held out: turns of the expert store's usable episodes of the run's task types that behaviour
+    cloning did not train on and that are not in the buffer's D_expert (e.g. BC's held-out episodes, or
+    demonstrations beyond ``bc.data.num_demonstrations``), so no stage of the run trained on them. When
+    every episode was used (a small expert set), the states are turns of BC's demonstrations: BC and
+    every policy update trained on those (the buffer holds them), so the probe then measures the format
+    on familiar contexts, which still exposes a policy whose format broke. Self-generated rollouts are
+    never used: they are trained on by the update being probed, and their contexts come from the
+    policy before it. The turns are drawn with the seed tree's node ``probe/states``."""
+    from qevolve.buffer.store import usable_episodes
+    from qevolve.evaluation.probe import sample_states
+    from qevolve.policy.bc import select_demonstrations
+
+    path = probe_store(config)
+    if path is None or not config.probe.states:
+        return [], False
+    demonstrations, _, _ = select_demonstrations(bc_data_config(config), derive_seed(config.seed, "bc"))
+    used = {ep.episode_id for ep in demonstrations}
+    if config.iterations:
+        used |= {ep.episode_id for ep in buffer_experts(config)}
+    store = [ep for ep in usable_episodes(read_episodes(path)) if ep.episode_id not in used]
+    if config.task_types is not None and store:
+        keep = set(filter_task_types(config.env, sorted({ep.task_id for ep in store}), config.task_types,
+                                     f"task_types (experts {path})"))
+        store = [ep for ep in store if ep.task_id in keep]
+    pool, held_out = (store, True) if store else (list(demonstrations), False)
+    return sample_states(pool, config.probe.states, derive_seed(config.seed, "probe/states")), held_out
+
+
 def rft_config(config: EvolveConfig, start: str, buffer_file: Path, output_dir: Path, seed: int) -> BCConfig:
     """The RFT baseline's training: behaviour cloning from ``start`` on every won episode of the buffer,
     expert and self alike (``only_won``; failed episodes are left out by ``include_failed: false``), with
@@ -544,6 +606,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     from qevolve.policy.prompts import PromptBuilder
     from qevolve.process_rewards.label import label_episodes
     from qevolve.rollouts import vllm_backend
+    from qevolve.evaluation.probe import format_regression, probe_line, probe_policy
     from qevolve.rollouts.run import RolloutConfig, run_eval, run_rollouts
 
     # One thread count for the whole run: CPU reductions (hence weights) depend on it. Set before any
@@ -651,6 +714,39 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             record = stage(f"{prefix}/eval_{split}", inputs, fn, generates=True)
             results.setdefault(prefix, {})[split] = record.metrics["success_rate"]
 
+    probe_cache: dict[str, Any] = {}  # "states": probe_states(config), drawn once; "bc": the BC policy's metrics
+    probe_path = probe_store(config) if config.probe.states else None
+    if config.probe.states and probe_path is None:
+        log("format probe skipped: no expert store to draw its states from (set bc.data.train_path)")
+
+    def probe(prefix: str, policy_path: str) -> None:
+        """Stage ``<prefix>/probe``: the format probe of the policy at ``policy_path`` (see
+        :mod:`qevolve.evaluation.probe`), logged beside the BC policy's with a warning when its
+        format-error rate rose by more than ``probe.max_format_error_increase``."""
+        if probe_path is None:
+            return
+
+        def fn(workdir: Path):
+            if "states" not in probe_cache:
+                probe_cache["states"] = probe_states(config)
+            states, held_out = probe_cache["states"]
+            rc = RolloutConfig.model_validate(merge_trees(evaluation_settings(config, prefix)["rollout"], {
+                "model": {"name_or_path": policy_path}, "agent": {"seed": current["seed"]}}))
+            result = probe_policy(rc, states)
+            result.write(workdir / "probe.jsonl")
+            return {"probe": "probe.jsonl"}, {**result.metrics(), "held_out_states": int(held_out)}
+
+        record = stage(f"{prefix}/probe", {"policy": policy_path, "experts": str(probe_path)}, fn, generates=True)
+        metrics = record.metrics
+        if prefix == "bc":
+            probe_cache["bc"] = metrics
+        reference = probe_cache.get("bc")
+        log(f"[{prefix}/probe] {probe_line(metrics, None if prefix == 'bc' else reference)}")
+        if prefix != "bc" and reference is not None:
+            warning = format_regression(metrics, reference, config.probe.max_format_error_increase)
+            if warning:
+                log(f"[{prefix}/probe] {warning}; see {root / prefix / 'probe' / 'probe.jsonl'}")
+
     def run_baselines(it: str, buffer_path: str, start: str, critic_path: str) -> None:
         """The configured baselines, trained from ``start`` on the buffer at ``buffer_path``, and evaluated."""
         for name in config.baselines:
@@ -676,6 +772,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                     return {"policy": "final"}, {key: value for key, value in summary.items()
                                                  if isinstance(value, (int, float))}
                 record = stage(f"{it}/eto/policy", {"buffer": buffer_path, "start": start}, eto_stage, resumable=True)
+            probe(f"{it}/{name}", str(root / record.outputs["policy"]))
             evaluate(f"{it}/{name}", str(root / record.outputs["policy"]))
 
     try:
@@ -698,6 +795,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
         bc_record = stage("bc", {"experts": str(config.bc.data.train_path or "")}, bc_stage, resumable=True)
         bc_policy = config.init_checkpoint or str(root / bc_record.outputs["policy"])
+        probe("bc", bc_policy)
         evaluate("bc", bc_policy)
 
         expert_source = str(config.bc.data.train_path or data_dir() / "experts" / config.env) \
@@ -784,6 +882,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             updated = stage(f"{it}/policy", {"labelled": labelled.outputs["labelled"], "start": policy_path},
                             policy_stage, resumable=True)
             start_policy, policy_path = policy_path, str(root / updated.outputs["policy"])
+            probe(it, policy_path)
             evaluate(it, policy_path)
             if k == 1:  # after Q-Evolve's own evaluation, so a partial run has the main row first
                 run_baselines(it, buffer.outputs["buffer"], start_policy, critic.outputs["critic"])
@@ -809,6 +908,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                      policy_stage(workdir, labelled_path=lp, start=start_policy, stage_config=c,
                                                   prefix=pf),
                                      resumable=True)
+                    probe(prefix, str(root / v_policy.outputs["policy"]))
                     evaluate(prefix, str(root / v_policy.outputs["policy"]))
     finally:
         loggers.close()
