@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from qevolve.environments.turn_format import parse_turn
 from qevolve.evaluation.probe import format_regression, percentile, probe_line, probe_policy, sample_states, \
@@ -81,9 +82,16 @@ def test_probe_policy_matches_a_manual_parse_of_its_turns(alfworld_experts, tiny
     again = probe_policy(_rollout_config(tiny_model_dir, batch_size=5, temperature=1.0), states)
     assert [t.agent_text for t in again.turns] == [t.agent_text for t in result.turns]
     assert again.metrics() == metrics
-    result.write(tmp_path / "probe.jsonl")
+    assert result.write(tmp_path) == "probe.jsonl"
     rows = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     assert [row["agent_text"] for row in rows] == [t.agent_text for t in result.turns]
+    assert [len(row["token_ids"]) for row in rows] == [t.tokens for t in result.turns]
+    # the generated ids as tensors: what the run's digests cover
+    from qevolve.evolve.digests import output_digests
+
+    saved = torch.load(tmp_path / "probe_tokens.pt", weights_only=True)["token_ids"]
+    assert [t.tolist() for t in saved] == [row["token_ids"] for row in rows]
+    assert "probe_tokens.pt" in output_digests(tmp_path)
     assert probe_policy(config, []).metrics()["states"] == 0
 
 

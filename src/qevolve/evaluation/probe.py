@@ -42,6 +42,7 @@ class ProbeTurn:
     stopped: bool  # False: generation hit max_new_tokens (the turn was cut)
     format_valid: bool
     format_error: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # what the policy generated, exactly
 
 
 @dataclass
@@ -65,9 +66,19 @@ class ProbeResult:
             "max_new_tokens": self.max_new_tokens,
         }
 
-    def write(self, path: Path) -> None:
-        """One JSON line per probed state (what the policy wrote, and whether it parsed)."""
-        path.write_text("".join(json.dumps(asdict(turn)) + "\n" for turn in self.turns))
+    def write(self, folder: Path) -> str:
+        """``probe.jsonl``, one JSON line per probed state (what the policy wrote, and whether it parsed),
+        and ``probe_tokens.pt``, the generated ids as tensors: the run's digests cover results in tensor
+        files and trajectory stores, so two runs whose probes generated differently differ there.
+        Returns the JSON file's name."""
+        import torch
+
+        from qevolve.critic.checkpoint import atomic_torch_save
+
+        (folder / "probe.jsonl").write_text("".join(json.dumps(asdict(turn)) + "\n" for turn in self.turns))
+        atomic_torch_save({"token_ids": [torch.tensor(t.token_ids, dtype=torch.long) for t in self.turns]},
+                          folder / "probe_tokens.pt")
+        return "probe.jsonl"
 
 
 def percentile(sorted_values: Sequence[int], q: float) -> int:
@@ -151,7 +162,7 @@ def probe_policy(config: Any, states: Sequence[tuple[Episode, int]], policy: Any
             parsed = parse_turn(text, builder.config.turn_format)
             result.turns.append(ProbeTurn(episode.episode_id, t, len(ids), text, len(token_ids),
                                           bool(generation.stopped), parsed.format_valid,
-                                          None if parsed.format_valid else parsed.error))
+                                          None if parsed.format_valid else parsed.error, list(token_ids)))
     return result
 
 

@@ -733,8 +733,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             rc = RolloutConfig.model_validate(merge_trees(evaluation_settings(config, prefix)["rollout"], {
                 "model": {"name_or_path": policy_path}, "agent": {"seed": current["seed"]}}))
             result = probe_policy(rc, states)
-            result.write(workdir / "probe.jsonl")
-            return {"probe": "probe.jsonl"}, {**result.metrics(), "held_out_states": int(held_out)}
+            return {"probe": result.write(workdir)}, {**result.metrics(), "held_out_states": int(held_out)}
 
         record = stage(f"{prefix}/probe", {"policy": policy_path, "experts": str(probe_path)}, fn, generates=True)
         metrics = record.metrics
