@@ -410,8 +410,12 @@ def test_cli_eval_with_vllm_is_quiet_by_default_and_verbose_on_request(alfworld_
         return (proc.stdout + proc.stderr).splitlines()
 
     quiet = run()
-    assert len(quiet) <= 6, "\n".join(quiet)
-    assert not [line for line in quiet if "WARNING" in line or "Traceback" in line or "Warning" in line]
+    assert len(quiet) <= 7, "\n".join(quiet)
+    # the one warning left is qevolve's own: every turn of the tiny policy ran into the 4-token limit
+    ours = [line for line in quiet if "hit agent.max_new_tokens=4" in line]
+    assert len(ours) == 1 and ours[0].startswith("WARNING: ")
+    assert not [line for line in quiet if line not in ours and ("WARNING" in line or "Traceback" in line
+                                                                   or "Warning" in line)]
     assert any(line.startswith("| alfworld") for line in quiet)
     loud = run("--verbose")
     assert len(loud) > len(quiet) + 20
