@@ -158,7 +158,11 @@ def _entry_points() -> dict[str, Any]:
 
 
 def environment_names() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES) | set(_entry_points()))
+    """The names an environment can be asked for by: registered, built-in and installed ones. A
+    ``package.module:name`` spec loaded earlier in the process is cached under that spec, but it is not
+    a name to list (which ones are cached depends on what the process did before)."""
+    registered = {name for name in _REGISTRY if ":" not in name}
+    return sorted(registered | set(_BUILTIN_MODULES) | set(_entry_points()))
 
 
 def _describe(factory: Any) -> str:
