@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from qevolve.buffer.store import Episode, sorted_episodes
-from qevolve.environments.turn_format import parse_turn
 from qevolve.rollouts.generation import GenerationRequest, SamplingParams
 
 
@@ -125,20 +124,11 @@ def probe_policy(config: Any, states: Sequence[tuple[Episode, int]], policy: Any
     tokenised here with the checkpoint's tokeniser (turns that carry generated ``action_ids`` keep
     them), so a prompt is exactly what acting would have sent at that turn. ``policy``: an already
     loaded policy for the hf backend (loaded from ``config.model`` when null)."""
-    from qevolve.policy.model import load_policy
-    from qevolve.policy.prompts import PromptBuilder
-    from qevolve.rollouts.agent import resolve_backend
-    from qevolve.rollouts.run import build_backend, load_tokenizer
+    from qevolve.rollouts.agent import read_turn
+    from qevolve.rollouts.run import acting_setup, build_backend
 
     agent = config.agent
-    if policy is None and resolve_backend(agent.backend) != "vllm":
-        policy = load_policy(config.model.for_acting(), trainable=False)
-    tokenizer = policy.tokenizer if policy is not None else load_tokenizer(config.model)
-    builder = PromptBuilder.for_environment(tokenizer, config.prompt, config.env)
-    eot_ids = list(builder.formatter.eot_ids)
-    stop_ids = eot_ids[-1:]
-    if tokenizer.eos_token_id is not None:
-        stop_ids.append(tokenizer.eos_token_id)
+    policy, tokenizer, builder, stop_ids = acting_setup(config, policy)
     result = ProbeResult(max_new_tokens=agent.max_new_tokens)
     if not states:
         return result
@@ -157,9 +147,7 @@ def probe_policy(config: Any, states: Sequence[tuple[Episode, int]], policy: Any
         backend.release([request.key for request in requests])
         for (episode, t, ids), generation in zip(batch, generations):
             token_ids = list(generation.token_ids)
-            text_ids = token_ids[: -len(eot_ids)] if token_ids[-len(eot_ids):] == eot_ids else token_ids
-            text = tokenizer.decode(text_ids, skip_special_tokens=False)
-            parsed = parse_turn(text, builder.config.turn_format)
+            text, parsed = read_turn(token_ids, builder, tokenizer)
             result.turns.append(ProbeTurn(episode.episode_id, t, len(ids), text, len(token_ids),
                                           bool(generation.stopped), parsed.format_valid,
                                           None if parsed.format_valid else parsed.error, list(token_ids)))

@@ -140,6 +140,15 @@ class RolloutResult:
     tokens_generated: int
 
 
+def read_turn(ids: list[int], builder: Any, tokenizer: Any) -> tuple[str, Any]:
+    """The text of a generated turn (its end-of-turn ids left out) and its parse in the builder's turn
+    format: what the agent loop records and the environment is told."""
+    eot_ids = list(builder.formatter.eot_ids)
+    text_ids = ids[: -len(eot_ids)] if list(ids[-len(eot_ids):]) == eot_ids else ids
+    agent_text = tokenizer.decode(text_ids, skip_special_tokens=False)
+    return agent_text, parse_turn(agent_text, builder.config.turn_format)
+
+
 def resolve_schedule(schedule: str, backend: GenerationBackend) -> str:
     """``auto`` -> ``continuous`` where the backend streams (:class:`StreamingBackend`), else ``lockstep``;
     ``continuous`` with a backend that cannot stream is a one-line ValueError."""
@@ -168,7 +177,6 @@ class _AgentLoop:
         self.live: dict[int, _Live] = {}
         self.finished: list[Episode] = []
         self.failed: list[tuple[str, str]] = []
-        self.eot_ids = list(builder.formatter.eot_ids)
         self.gen_seconds = self.env_seconds = 0.0
         self.tokens = 0
         # Sampled decoding: each turn has its own seed from (seed, episode, turn), so an episode draws
@@ -236,10 +244,7 @@ class _AgentLoop:
             state = self.live[slot]
             ids = generation.token_ids
             self.tokens += len(ids)
-            eot_ids = self.eot_ids
-            text_ids = ids[: -len(eot_ids)] if ids[-len(eot_ids):] == eot_ids else ids
-            agent_text = self.tokenizer.decode(text_ids, skip_special_tokens=False)
-            parsed = parse_turn(agent_text, self.builder.config.turn_format)
+            agent_text, parsed = read_turn(ids, self.builder, self.tokenizer)
             state.conversation.act(ids)
             turn = Turn(observation=state.observation, agent_text=agent_text, action=parsed.action,
                         format_valid=parsed.format_valid, action_valid=parsed.format_valid,

@@ -73,6 +73,20 @@ def load_tokenizer(model: ModelConfig) -> Any:
     return tokenizer
 
 
+def acting_setup(config: RolloutConfig, policy: Any = None) -> tuple[Any, Any, PromptBuilder, list[int]]:
+    """What acting with ``config`` needs besides the backend: the policy (loaded from ``config.model`` for
+    the hf backend when not given; None for vllm, whose engine serves the checkpoint folder), the
+    tokeniser (a given policy lends its own), the prompt builder and the ids that end a turn."""
+    if policy is None and resolve_backend(config.agent.backend) != "vllm":
+        policy = load_policy(config.model.for_acting(), trainable=False)
+    tokenizer = policy.tokenizer if policy is not None else load_tokenizer(config.model)
+    builder = PromptBuilder.for_environment(tokenizer, config.prompt, config.env)
+    stop_ids = list(builder.formatter.eot_ids[-1:])
+    if tokenizer.eos_token_id is not None:
+        stop_ids.append(tokenizer.eos_token_id)
+    return policy, tokenizer, builder, stop_ids
+
+
 def build_backend(config: RolloutConfig, policy: Any, tokenizer: Any, stop_ids: list[int]) -> GenerationBackend:
     """The configured generation backend (``agent.backend``) for the checkpoint ``config.model``.
 
@@ -130,16 +144,8 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         tasks = select_tasks(tasks, config.task_stride, config.limit)
     jobs = [job for job in expand_jobs(config.env, config.split, tasks, config.episodes_per_task)
             if job[0] not in done_ids]
-    use_vllm = resolve_backend(config.agent.backend) == "vllm"
     quiet_third_party(bars=use_bars(progress))
-    if policy is None and not use_vllm:
-        policy = load_policy(config.model.for_acting(), trainable=False)
-    # With vllm the engine serves the weights of config.model.name_or_path; a given policy only lends its tokeniser.
-    tokenizer = policy.tokenizer if policy is not None else load_tokenizer(config.model)
-    builder = PromptBuilder.for_environment(tokenizer, config.prompt, config.env)
-    stop_ids = list(builder.formatter.eot_ids[-1:])
-    if tokenizer.eos_token_id is not None:
-        stop_ids.append(tokenizer.eos_token_id)
+    policy, tokenizer, builder, stop_ids = acting_setup(config, policy)
     backend = build_backend(config, policy, tokenizer, stop_ids)
     backend_name = "vllm" if type(backend).__name__ == "VLLMGenerationBackend" else "hf"
     if config.rerank_critic:
