@@ -134,6 +134,35 @@ def test_a_manifest_records_no_field_the_loop_decides_and_old_ones_still_resume(
         RunDirectory(tmp_path / "old", changed, seed=0, resume=True, upgrade=upgrade_recorded)
 
 
+#: critic.retrospective.penalties as every run recorded it while the built-in environments' penalties
+#: were that field's default (today each environment's class declares its own)
+RECORDED_PENALTIES = {"alfworld": {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1},
+                      "sciworld": {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1},
+                      "webshop": {"format_error": -0.3, "invalid_action": 0.0, "repeat": 0.0}}
+
+
+def test_a_manifest_with_the_old_penalties_table_resumes_with_the_same_penalties(tmp_path):
+    from qevolve.critic.retrospective import AuxPenalties, penalties_for
+    from qevolve.evolve.loop import EvolveConfig, recorded_config, upgrade_recorded
+    from qevolve.evolve.run_dir import RunDirectory, RunError
+
+    config = load_config(EvolveConfig, None, ["env=webshop"])
+    assert config.critic.retrospective.penalties == {}
+    for env, numbers in RECORDED_PENALTIES.items():  # the labels of a resumed stage are the recorded ones
+        assert penalties_for(env, config.critic.retrospective) == AuxPenalties(**numbers)
+    old = recorded_config(config)
+    old["critic"]["retrospective"]["penalties"] = RECORDED_PENALTIES
+    RunDirectory(tmp_path / "old", old, seed=0).close()
+    assert upgrade_recorded(old) == recorded_config(config)
+    RunDirectory(tmp_path / "old", recorded_config(config), seed=0, resume=True, upgrade=upgrade_recorded).close()
+    # an entry that differs from the environment's declaration is an override: a resume without it is refused
+    changed = recorded_config(load_config(EvolveConfig, None, ["env=webshop",
+                                                               "critic.retrospective.penalties.webshop.repeat=-0.1"]))
+    assert list(changed["critic"]["retrospective"]["penalties"]) == ["webshop"]
+    with pytest.raises(RunError, match="critic.retrospective.penalties"):
+        RunDirectory(tmp_path / "old", changed, seed=0, resume=True, upgrade=upgrade_recorded)
+
+
 def test_a_partial_baseline_section_keeps_the_baselines_own_defaults():
     """eto's default objective is DPO and rft's default budget one epoch with 2-step accumulation: setting
     one other field of those sections must not fall back to the plain stage defaults (eto became BPPO)."""

@@ -207,3 +207,21 @@ def test_a_critic_whose_mean_value_still_moves_is_reported_unconverged(tiny_crit
     assert summary["converged"] is (abs(change) <= UNCONVERGED_V_CHANGE)
     assert any(m.startswith("WARNING: critic: the mean V moved") for m in messages) is not summary["converged"]
     assert not summary["converged"], change  # this setting moves V by far more than the tolerance
+
+
+def test_a_state_saved_with_the_old_penalties_table_resumes():
+    """Critic states written while the built-in environments' penalties were the config's default hold
+    that table in their config; it drops out through today's schema, so training continues from them."""
+    from qevolve.critic.config import CriticConfig
+    from qevolve.critic.train import FORMAT_VERSION, _same_run
+
+    config = CriticConfig()
+    saved = config.model_dump(mode="json")
+    saved["retrospective"]["penalties"] = {
+        "alfworld": {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1},
+        "sciworld": {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1},
+        "webshop": {"format_error": -0.3, "invalid_action": 0.0, "repeat": 0.0}}
+    state = {"format": FORMAT_VERSION, "config": saved, "init": "model", "fingerprint": "buffer", "heldout": []}
+    assert _same_run(state, config, "model", "buffer", []) is None
+    saved["retrospective"]["penalties"]["webshop"]["repeat"] = -0.1  # another reward: not the same run
+    assert _same_run(state, config, "model", "buffer", []) == "config differs in ['retrospective']"

@@ -324,9 +324,11 @@ def test_penalties_and_demonstrations_come_from_the_environment_class(tmp_path, 
                                          r"Extra inputs are not permitted"):
         penalties_for("declared_rooms:typo", config)
     with pytest.raises(ValueError, match=r"no entry for environment 'qevolve.environments.testing:QuietCounterEnv' "
-                                         r"\(have \['alfworld', 'sciworld', 'webshop'\]\) and its class declares no "
-                                         r"retrospective_penalties"):
+                                         r"and its class declares no retrospective_penalties"):
         penalties_for("qevolve.environments.testing:QuietCounterEnv", config)
+    with pytest.raises(ValueError, match=r"no entry for environment 'qevolve.environments.testing:QuietCounterEnv' "
+                                         r"\(have \['declared_rooms:odd'\]\) and its class declares no"):
+        penalties_for("qevolve.environments.testing:QuietCounterEnv", own)
     # expert demonstrations: expert_actions() is a source by itself; without it, the error says what to do
     jobs, dropped = get_expert_source("declared_rooms:odd")(split="test", limit=2)
     assert [job.task_id for job in jobs] == ["test-0", "test-1"] and not dropped

@@ -13,7 +13,7 @@ advantage (section 5).
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from qevolve.buffer.store import Episode
 from qevolve.config import StageConfig
@@ -29,20 +29,21 @@ class AuxPenalties(StageConfig):
     repeat: float = Field(-0.1, description="r_aux when the next observation equals the current one")
 
 
-def _default_penalties() -> dict[str, AuxPenalties]:
-    return {
-        "alfworld": AuxPenalties(format_error=-0.3, invalid_action=-0.2, repeat=-0.1),
-        "sciworld": AuxPenalties(format_error=-0.3, invalid_action=-0.2, repeat=-0.1),
-        "webshop": AuxPenalties(format_error=-0.3, invalid_action=0.0, repeat=0.0),
-    }
-
-
 class RetrospectiveConfig(StageConfig):
     enabled: bool = Field(True, description="false: r_aux = 0 on every turn (the 'without RR' ablation)")
     penalties: dict[str, AuxPenalties] = Field(
-        default_factory=_default_penalties,
-        description="per-environment penalties, keyed by Episode.env (alfworld, sciworld, webshop, ...); an "
-        "environment without an entry uses those its class declares (Environment.retrospective_penalties)")
+        default_factory=dict,
+        description="overrides of the penalties, keyed by Episode.env (the environment's name, e.g. webshop); an "
+        "environment without an entry uses those its class declares (Environment.retrospective_penalties). An "
+        "entry equal to the class's declaration overrides nothing and is left out")
+
+    @field_validator("penalties")
+    @classmethod
+    def _without_declared(cls, penalties: dict[str, AuxPenalties]) -> dict[str, AuxPenalties]:
+        # Until the environments declared their penalties, the built-in ones' were this field's default, so
+        # every run of that time recorded them in its manifest. Leaving out the entries that repeat a
+        # declaration makes such a config equal to today's default: the run resumes, with the same labels.
+        return {env: entry for env, entry in penalties.items() if _declaration_if_loadable(env) != entry}
 
 
 def penalties_for(env: str, config: RetrospectiveConfig) -> AuxPenalties:
@@ -52,9 +53,19 @@ def penalties_for(env: str, config: RetrospectiveConfig) -> AuxPenalties:
         return config.penalties[env]
     declared = _declared_penalties(env)
     if declared is None:
-        raise ValueError(f"critic.retrospective.penalties: no entry for environment {env!r} (have "
-                         f"{sorted(config.penalties)}) and its class declares no retrospective_penalties; add one")
+        have = f" (have {sorted(config.penalties)})" if config.penalties else ""
+        raise ValueError(f"critic.retrospective.penalties: no entry for environment {env!r}{have} and its class "
+                         "declares no retrospective_penalties; add one")
     return declared
+
+
+def _declaration_if_loadable(env: str) -> AuxPenalties | None:
+    """What ``env``'s class declares, None also when it cannot be loaded here or declares something
+    invalid (then the config's entry stays: it is what the labels use either way)."""
+    try:
+        return _declared_penalties(env)
+    except Exception:  # noqa: BLE001 - any failure of the environment's import keeps the config's entry
+        return None
 
 
 _DECLARED: dict[str, AuxPenalties | None] = {}
@@ -70,7 +81,7 @@ def _declared_penalties(env: str) -> AuxPenalties | None:
         try:
             declared = getattr(get_factory(env), "retrospective_penalties", None)
         except KeyError:  # an environment this process cannot import has declared nothing it can see
-            declared = None
+            return None  # not remembered: it may be importable later (its folder put on sys.path)
         if declared is not None and not isinstance(declared, AuxPenalties):
             try:
                 declared = AuxPenalties.model_validate(dict(declared))

@@ -40,6 +40,7 @@ from qevolve.critic.data import CriticSample, build_samples, buffer_fingerprint,
 from qevolve.critic.iql import IQLLearner, iql_losses
 from qevolve.critic.model import (Critic, FeatureCache, build_critic, default_model_path, encode_batch,
                                   extract_features, model_identity, resolve_device)
+from qevolve.critic.retrospective import RetrospectiveConfig
 from qevolve.distributed import DistContext, init_distributed, main_first
 from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
@@ -421,6 +422,12 @@ def _same_run(state: dict[str, Any], config: CriticConfig, init: str, fingerprin
     # A state written before the V average existed resumes with it started from the V head then
     # (train_critic says so): no uninterrupted run of that state with an average exists to differ from.
     saved.setdefault("value_ema", current["value_ema"])
+    # A state written while the built-in environments' penalties were the config's default records them;
+    # read through today's schema, entries that repeat an environment's declaration drop out (same labels).
+    try:
+        saved["retrospective"] = RetrospectiveConfig.model_validate(saved["retrospective"]).model_dump(mode="json")
+    except (KeyError, TypeError, ValueError):  # not readable so: compared as it stands
+        pass
     # Fields that may change between attempts (e.g. more epochs to extend training, another device), and
     # those that change what is measured or read after training, never the trained weights.
     for name in ("epochs", "checkpoint_every_steps", "device", "feature_cache", "feature_cache_dir", "distributed",

@@ -109,6 +109,8 @@ class AlfWorldEnv(Environment):
     name = "alfworld"
     turn_format = "action"  # the expert demonstrations have no thoughts
     instruction = ALFWORLD_INSTRUCTION
+    # r_aux of the critic's reward: the paper's table (docs/method.md, section 3)
+    retrospective_penalties = {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1}
     # TextWorld's memory grows while it plays: worker RSS rose 158 -> 201 MiB (+27%) over 200 random episodes
     # with no plateau, about 0.2 MiB per episode; recycled every 50 episodes a worker still peaked at 179 MiB
     # (+14%), so every 25 (benchmarks/soak.py, docs/reliability.md)

@@ -102,6 +102,8 @@ class SciWorldEnv(Environment):
     name = "sciworld"
     turn_format = "action"  # the gold-path demonstrations (experts.py replay) are Action:-only turns
     instruction = SCIWORLD_INSTRUCTION
+    # r_aux of the critic's reward: the paper's table (docs/method.md, section 3)
+    retrospective_penalties = {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1}
 
     def __init__(self, **settings: Any):
         self.config = build_config(SciWorldConfig, settings, "sciworld environment")

@@ -83,6 +83,9 @@ class WebShopEnv(Environment):
     name = "webshop"
     turn_format = "thought_action"  # the oracle's demonstrations are Thought:/Action: turns
     instruction = WEBSHOP_INSTRUCTION
+    # r_aux of the critic's reward: the paper's table (docs/method.md, section 3), which penalises only a
+    # malformed turn here
+    retrospective_penalties = {"format_error": -0.3, "invalid_action": 0.0, "repeat": 0.0}
 
     @staticmethod
     def action_kind(action: str) -> str:
