@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-from qevolve.data.install import DATASETS, DataInstallError, install, install_dataset, is_installed
+from qevolve.data.install import DataInstallError, data_files, install, install_dataset, is_installed
 from qevolve.paths import shared_data_dir
 
 SHARED = shared_data_dir()
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(SHARED is None, reason="needs the raw data folde
 
 def copy_source(tmp_path, name):
     source = tmp_path / "source"
-    for file in DATASETS[name]:
+    for file in data_files(name):
         target = source / file.relpath
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(SHARED / file.relpath, target)

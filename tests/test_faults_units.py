@@ -90,7 +90,11 @@ def test_stale_install_staging_is_removed_by_the_next_install(tmp_path, monkeypa
     (source / "toy").mkdir(parents=True)
     (source / "toy/a.json").write_text("{}")
     digest = hashlib.sha256(b"{}").hexdigest()
-    monkeypatch.setitem(installer.DATASETS, "toy", [installer.DataFile("toy/a.json", digest)])
+    from qevolve.environments import base
+    from qevolve.environments.testing import CounterEnv
+
+    toy = type("ToyEnv", (CounterEnv,), {"data_files": (base.DataFile("toy/a.json", digest),)})
+    monkeypatch.setitem(base._REGISTRY, "toy", toy)
     root = tmp_path / "data"
     stale = root / ".toy.partial-abc123"
     (stale / "big").mkdir(parents=True)

@@ -16,9 +16,9 @@ LAYERS = [
     # shared utilities with no qevolve dependency beyond each other
     ["__init__", "config", "paths", "progress", "allocator", "resident", "finite", "scalars", "seeding",
      "distributed", "atomic_io", "machine"],
-    ["data"],             # installing benchmark data and models
     ["buffer"],           # the trajectory format every later layer reads and writes, and episode metrics
-    ["environments"],
+    ["environments"],     # each environment with what it declares: prompt, penalties, data files, experts
+    ["data"],             # installing the data files the environments declare
     ["models", "prompting"],
     ["rollouts"],
     ["training"],         # the trainer, batching and forward passes the model stages share

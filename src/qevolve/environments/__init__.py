@@ -2,6 +2,7 @@
 
 from qevolve.environments.base import (
     SPLITS,
+    DataFile,
     Environment,
     StepResult,
     environment_names,
@@ -9,4 +10,4 @@ from qevolve.environments.base import (
     register_environment,
 )
 
-__all__ = ["SPLITS", "Environment", "StepResult", "environment_names", "make_environment", "register_environment"]
+__all__ = ["SPLITS", "DataFile", "Environment", "StepResult", "environment_names", "make_environment", "register_environment"]

@@ -33,6 +33,16 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """One file of an environment's data: its path inside the source folder, checksum, and how to install it."""
+
+    relpath: str
+    sha256: str
+    unpack: bool = False  # a .tar.gz unpacked into the dataset folder (else copied as is)
+    url: str | None = None  # upstream download for users without a local copy
+
+
 _PARTICLES = frozenset({"to", "around", "at", "up", "on"})
 
 
@@ -54,6 +64,10 @@ class Environment(abc.ABC):
     #: episodes after which a worker pool replaces a worker by default, for simulators whose memory grows
     #: without bound while they play (None: never)
     recycle_workers_after: int | None = None
+    #: the files ``qevolve data install NAME`` copies (or unpacks) into the data directory's folder NAME,
+    #: each checked against its sha256; the environment finds that folder with
+    #: :func:`qevolve.environments.installed_data.require_installed` (empty: nothing to install)
+    data_files: tuple[DataFile, ...] = ()
 
     @staticmethod
     def action_kind(action: str) -> str:

@@ -15,15 +15,24 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from qevolve.data.install import require_installed
 from qevolve.environments.alfworld.prompt import ALFWORLD_INSTRUCTION
-from qevolve.environments.base import Environment, StepResult, register_environment
+from qevolve.environments.base import DataFile, Environment, StepResult, register_environment
+from qevolve.environments.installed_data import require_installed
 
 SPLIT_FOLDERS = {"train": "train", "seen": "valid_seen", "unseen": "valid_unseen", "valid_train": "valid_train"}
 GAME_FILE = "game.tw-pddl"
 INVALID_ACTION_TEXT = "Nothing happens."
 WELCOME_BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 DEFAULT_MAX_TURNS = 30  # the ETO protocol's limit, as in the paper
+
+#: what ``qevolve data install alfworld`` unpacks: the games and the expert trajectories of json_2.1.1 (their
+#: provenance and checksums are listed in the data README, shared/data/README.md)
+DATA_FILES = (
+    DataFile("alfworld/games_json_2.1.1_tw-pddl.tar.gz",
+             "a3e501cb421175b47d7b67c87bc04314ac99ac8fea6116eca779b8a4053a3395", unpack=True),
+    DataFile("alfworld/expert_gt_traj_json_2.1.1.tar.gz",
+             "83a633d6cf9ec1ed2fa050cd7b88a3d702639df4a711358db49f8317846d92f6", unpack=True),
+)
 
 
 def games_root(data_root: str | Path | None = None) -> Path:
@@ -115,6 +124,7 @@ class AlfWorldEnv(Environment):
     # with no plateau, about 0.2 MiB per episode; recycled every 50 episodes a worker still peaked at 179 MiB
     # (+14%), so every 25 (benchmarks/soak.py, docs/reliability.md)
     recycle_workers_after = 25
+    data_files = DATA_FILES
 
     def __init__(self, split: str = "train", data_root: str | Path | None = None,
                  max_turns: int = DEFAULT_MAX_TURNS):

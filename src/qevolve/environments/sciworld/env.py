@@ -34,7 +34,7 @@ from qevolve.config import StageConfig, build_config
 from qevolve.environments.base import Environment, StepResult, register_environment
 from qevolve.environments.sciworld.prompt import SCIWORLD_INSTRUCTION
 from qevolve.environments.sciworld.tasks import (
-    ETO_SPLITS, OFFICIAL_SPLITS, SPLITS, TASK_NAMES, eto_max_turns, eto_tasks, parse_task_id, task_id,
+    DATA_FILES, ETO_SPLITS, OFFICIAL_SPLITS, SPLITS, TASK_NAMES, eto_max_turns, eto_tasks, parse_task_id, task_id,
 )
 
 #: Answers of the simulator's input parser to an action it cannot read (found by experiment:
@@ -104,6 +104,7 @@ class SciWorldEnv(Environment):
     instruction = SCIWORLD_INSTRUCTION
     # r_aux of the critic's reward: the paper's table (docs/method.md, section 3)
     retrospective_penalties = {"format_error": -0.3, "invalid_action": -0.2, "repeat": -0.1}
+    data_files = DATA_FILES
 
     def __init__(self, **settings: Any):
         self.config = build_config(SciWorldConfig, settings, "sciworld environment")

@@ -22,7 +22,8 @@ from pathlib import Path
 from scienceworld.constants import ID2TASK
 from scienceworld.utils import infer_task
 
-from qevolve.data.install import require_installed
+from qevolve.environments.base import DataFile
+from qevolve.environments.installed_data import require_installed
 
 #: the 30 task names of scienceworld 1.2.3, in the package's order (topic 1-1 ... 10-2)
 TASK_NAMES: tuple[str, ...] = tuple(ID2TASK.values())
@@ -32,6 +33,27 @@ ETO_SPLITS = (*ETO_SPLIT_FILES, "seen_not_train")
 OFFICIAL_SPLITS = ("official_train", "official_dev", "official_test")
 SPLITS = (*ETO_SPLITS, *OFFICIAL_SPLITS)
 ETO_MAX_STEPS_FILE = "eto_max_steps.json"
+
+_ETO = "https://raw.githubusercontent.com/Yifan-Song793/ETO/a2fc5da38f8d00cfaf3f9b6370d586eebaf72904/eval_agent/data/sciworld/"
+#: what ``qevolve data install sciworld`` copies: ETO's task lists and turn limits (their provenance and
+#: checksums are listed in the data README, shared/data/README.md)
+DATA_FILES = (
+    DataFile("sciworld/eto_train_indices.json",
+             "c79eea7858383b829269986ee83d0d9a504533e7b4b3a5bc76e5bdc1e6999cd0",
+             url=_ETO + "train_indices.json"),
+    DataFile("sciworld/eto_dev_indices.json",
+             "78084ef4393d2da87b21507451821e431daa1a70ab1a486fd1a964ab2404d741",
+             url=_ETO + "dev_indices.json"),
+    DataFile("sciworld/eto_test_indices.json",
+             "dfe4ab263824f04a49cf977b8f6d65af516ce13b8cfbef5736a97ed993da7152",
+             url=_ETO + "test_indices.json"),
+    DataFile("sciworld/eto_max_steps.json",
+             "035592f47fbe1309b6ed1a260b392a50d94d3163de951508a74e985d93048f73",
+             url=_ETO + "max_steps.json"),
+    DataFile("sciworld/eto_taskname2id.json",
+             "5b02636ef23caeb1da567814fa59ab1f62e2a9276b7f28f57ee4d7cfab784fe2",
+             url=_ETO + "taskname2id.json"),
+)
 #: tasks with random dynamics whose gold path may fail on replay (retry them)
 STOCHASTIC_TASKS = ("mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant")
 

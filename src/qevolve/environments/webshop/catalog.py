@@ -23,10 +23,31 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qevolve.data.install import require_installed
+from qevolve.environments.base import DataFile
+from qevolve.environments.installed_data import require_installed
 
 PRODUCTS_FILE = "items_shuffle_1000.json"
 ATTRIBUTES_FILE = "items_ins_v2_1000.json"
+
+_WEBSHOP = "https://raw.githubusercontent.com/princeton-nlp/WebShop/64fa2a5c15c7daa698b9ac93f5bb5437b634c9bd/baseline_models/data/"
+_AGENTGYM = "https://raw.githubusercontent.com/WooooDyy/AgentGym/3ef9235d23e68e7c2920c5422ad957dc8ced5c6c/agentenv-webshop/webshop/data/"
+#: what ``qevolve data install webshop`` copies (their provenance and checksums are listed in the data README,
+#: shared/data/README.md; the files without a url have no single upstream download with that checksum)
+DATA_FILES = (
+    DataFile("webshop/items_shuffle_1000.json",
+             "e84c57d80d836bf0db1f990668a2b3b220ea1431b1da51d361e8045c5d7451ae"),
+    DataFile("webshop/items_ins_v2_1000.json",
+             "f88a36314a397b53b3d9c3fa5878e5f7b26d35019a51ec83fbedeca61a948f6f",
+             url=_AGENTGYM + "items_ins_v2_1000.json"),
+    DataFile("webshop/items_human_ins.1k_subset.json",
+             "8bc0ae02b37351395091c55b29352ba21a26a231d093c151cf1a83847ca66359"),
+    DataFile("webshop/human_goals.json",
+             "b68746ed66cd31fdc5f70eb3f5831a46b38163563b57a66ddcab8fd60ee0cbdc",
+             url=_WEBSHOP + "human_goals.json"),
+    DataFile("webshop/goal_query_map.json",
+             "1524f438ffbc51c7e308e635d7d9e14fa696b08f5d4300922d454ef0105cea86",
+             url=_WEBSHOP + "goal_query_map.json"),
+)
 DEFAULT_SEED = 233  # WebShop's goal-shuffle seed, also the root of the other seeded draws
 DEFAULT_PRICE = 100.0  # price of a product listed without one
 NO_PRICE_LIMIT = 1_000_000.0  # price ceiling of goals without one (as upstream)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qevolve.environments.base import Environment, StepResult, register_environment
-from qevolve.environments.webshop.catalog import (DEFAULT_SEED, Catalog, Goal, Product, goal_index, goal_task_id,
-                                                  load_catalog)
+from qevolve.environments.webshop.catalog import (DATA_FILES, DEFAULT_SEED, Catalog, Goal, Product, goal_index,
+                                                  goal_task_id, load_catalog)
 from qevolve.environments.webshop.prompt import WEBSHOP_INSTRUCTION
 from qevolve.environments.webshop.reward import RewardBreakdown, check_option_matching, purchase_reward
 
@@ -86,6 +86,7 @@ class WebShopEnv(Environment):
     # r_aux of the critic's reward: the paper's table (docs/method.md, section 3), which penalises only a
     # malformed turn here
     retrospective_penalties = {"format_error": -0.3, "invalid_action": 0.0, "repeat": 0.0}
+    data_files = DATA_FILES
 
     @staticmethod
     def action_kind(action: str) -> str:
