@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,58 +17,31 @@ from qevolve.environments.base import _BUILTIN_MODULES, DataFile, get_factory
 
 PACKAGE = Path(qevolve.__file__).parent
 
-#: a package of its own, ``lamps``, built on the testing environment: every fact it declares is in its folder
-LAMPS_ENV = '''
-"""Lamps: the testing counter, renamed, with every fact an environment can declare."""
-
-from qevolve.environments import DataFile, register_environment
-from qevolve.environments.installed_data import require_installed
-from qevolve.environments.testing import QuietCounterEnv
+DOC = Path(__file__).resolve().parents[1] / "docs" / "own-environment.md"
 
 
-@register_environment("lamps")
-class LampsEnv(QuietCounterEnv):
-    instruction = "Switch the lamps on, one `next` per lamp, until all are lit."
-    turn_format = "thought_action"
-    retrospective_penalties = {{"format_error": -0.5, "invalid_action": -0.25, "repeat": 0.0}}
-    recycle_workers_after = 7
-    data_files = (DataFile("data/bulbs.json", "{digest}"),)
+def doc_package() -> dict[str, str]:
+    """The doc's worked example, the package ``lamps``: its python blocks whose first line names a file."""
+    blocks = re.findall(r"^```python\n# (lamps/\S+)\n(.*?)^```", DOC.read_text(), re.S | re.M)
+    return dict(blocks)
 
-    @staticmethod
-    def action_kind(action):
-        return "switch" if action == "next" else "other"
-
-    def expert_actions(self):
-        return [("One more lamp.", "next")] * (self.target - self.count)
-
-    def bulbs(self):
-        return (require_installed("lamps") / "bulbs.json").read_text()
-
-
-def task_type(task_id):
-    return "short" if int(task_id.split("-")[1]) <= 2 else "long"
-'''
-
-LAMPS_INIT = '''
-from qevolve.environments.experts import register_expert_source, scripted_expert_source
-from lamps.env import LampsEnv, task_type
-
-register_expert_source("lamps", task_type=task_type, retries=lambda task_id: 1)(scripted_expert_source("lamps"))
-'''
 
 BULBS = '{"bulbs": 5}\n'
 
 
 @pytest.fixture
 def lamps(tmp_path, monkeypatch) -> Path:
-    """The package folder ``site/lamps`` (with its data under ``data/``), named ``lamps`` through the
-    entry-point group ``qevolve.environments`` of its distribution, as an installed package is."""
+    """The doc's package ``lamps`` in ``site/lamps`` (with its data under ``data/``), named ``lamps`` through
+    the entry-point group ``qevolve.environments`` of its distribution, as an installed package is."""
     site = tmp_path / "site"
     folder = site / "lamps"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "bulbs.json").write_text(BULBS)
-    (folder / "env.py").write_text(LAMPS_ENV.format(digest=hashlib.sha256(BULBS.encode()).hexdigest()))
-    (folder / "__init__.py").write_text(LAMPS_INIT)
+    files = doc_package()
+    assert set(files) == {"lamps/env.py", "lamps/__init__.py"}
+    digest = hashlib.sha256(BULBS.encode()).hexdigest()
+    for name, body in files.items():
+        (site / name).write_text(body.replace("<sha256 of the file>", digest))
     dist = site / "lamps-0.1.dist-info"  # the one registry entry
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lamps\nVersion: 0.1\n")
