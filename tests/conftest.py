@@ -1,7 +1,9 @@
-"""Shared fixtures: installed data, a tiny local model (no download), real ALFWorld expert episodes."""
+"""Shared fixtures: installed data, a tiny local model (no download), real ALFWorld expert episodes, and the
+runs of the online baselines' tests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,68 @@ def _environment_specs_forgotten():
     for name in set(base._REGISTRY) - before:
         if ":" in name:
             del base._REGISTRY[name]
+
+
+CHOICE_ENV = "qevolve.environments.testing:ChoiceEnv"
+
+
+@pytest.fixture(scope="session")
+def choice_run_overrides(tmp_path_factory, tiny_model_dir) -> list[str]:
+    """The settings the online baselines' tests share, on the one-decision ``ChoiceEnv`` (say ``right`` of
+    left/right/up): BC on every direction of every task (won and lost alike: a policy that says each about
+    equally often), then K = 1 with the outcome labels (no critic). Each test adds its baseline's settings."""
+    from qevolve.buffer.store import write_episodes
+    from qevolve.environments.episodes import EpisodeJob
+    from qevolve.environments.play import play_jobs
+    from qevolve.environments.policies import ReplayPolicy
+
+    folder = tmp_path_factory.mktemp("choice")
+    jobs = [EpisodeJob(f"choice-{n}", ReplayPolicy([d]), split="train", episode_id=f"expert/{n}/{d}")
+            for n in range(8) for d in ("left", "right", "up")]
+    experts = folder / "experts.parquet"
+    write_episodes(experts, play_jobs(CHOICE_ENV, jobs, split="train", num_workers=1, progress=False).episodes)
+    return [
+        f"env={CHOICE_ENV}", "iterations=1", "progress=false", "num_threads=1", "tensorboard=false", "seed=0",
+        f"model.name_or_path={tiny_model_dir}", "model.precision=fp32", "model.device=cpu", "model.lora.enabled=false",
+        "prompt.max_prompt_tokens=256", "prompt.reserve_action_tokens=8",
+        f"bc.data.train_path={experts}", "bc.data.only_won=false", "bc.max_steps=150", "bc.optim.lr=1e-2",
+        "bc.grad_accum_steps=1", "bc.tokens_per_batch=4096", "bc.tensorboard=false",
+        "rollout.agent.max_new_tokens=8", "rollout.agent.num_workers=1",
+        "eval.splits=[seen]", "eval.agent.max_new_tokens=8", "eval.agent.num_workers=1",
+        f"buffer.expert_path={experts}", "buffer.num_expert=2", "label.estimator=outcome", "probe.states=0",
+        "policy.max_steps=1", "policy.grad_accum_steps=1", "policy.tokens_per_batch=4096", "policy.tensorboard=false",
+    ]
+
+
+@pytest.fixture
+def killed_in_round_2_and_resumed(monkeypatch):
+    """``run(config, baseline) -> (run folder, messages)``: runs ``config`` and kills it inside round 2's policy
+    update of the online baseline ``baseline`` (at step 3, after its checkpoint at step 2), checks that the
+    manifest then ends with that round's labels, resumes it, and checks that the update continued from the
+    checkpoint; the messages are the resumed run's."""
+    from qevolve.evolve.loop import run_evolve
+    from qevolve.training.trainer import Trainer
+
+    def run(config, baseline: str) -> tuple[Path, list[str]]:
+        real_finish = Trainer.finish_step
+        killed: list[int] = []
+
+        def finish_step(trainer, stage, step, *args, **kwargs):
+            if ".policy.partial" in str(trainer.output_dir) and "round_2" in str(trainer.output_dir) and step == 3 \
+                    and not killed:
+                killed.append(step)
+                raise KeyboardInterrupt("killed inside round 2's update")
+            return real_finish(trainer, stage, step, *args, **kwargs)
+
+        monkeypatch.setattr(Trainer, "finish_step", finish_step)
+        with pytest.raises(KeyboardInterrupt):
+            run_evolve(config, log=lambda m: None)
+        root = Path(config.runs_dir) / config.name
+        stages = json.loads((root / "manifest.json").read_text())["stages"]
+        assert stages[-1]["name"] == f"iter_1/{baseline}/round_2/label" and killed == [3]
+        messages: list[str] = []
+        run_evolve(config, resume=True, log=messages.append)
+        assert any("policy: resumed from" in m and "at step 2" in m for m in messages)
+        return root, messages
+
+    return run

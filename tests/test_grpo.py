@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qevolve.buffer.store import read_episodes, write_episodes
+from qevolve.buffer.store import read_episodes
 from qevolve.config import ConfigError, load_config
 from qevolve.evolve.loop import EvolveConfig, GRPOSettings, grpo_round_tasks, run_evolve
 
@@ -22,28 +22,11 @@ ROUNDS = 4
 
 
 @pytest.fixture(scope="module")
-def overrides(tmp_path_factory, tiny_model_dir):
-    """BC on every direction of every task (won and lost alike: a policy that says each about equally often),
-    then K = 1 with the outcome labels (no critic), and GRPO with groups of 8 on the 8 tasks."""
-    from qevolve.environments.episodes import EpisodeJob
-    from qevolve.environments.play import play_jobs
-    from qevolve.environments.policies import ReplayPolicy
-
-    folder = tmp_path_factory.mktemp("grpo")
-    jobs = [EpisodeJob(f"choice-{n}", ReplayPolicy([d]), split="train", episode_id=f"expert/{n}/{d}")
-            for n in range(8) for d in ("left", "right", "up")]
-    experts = folder / "experts.parquet"
-    write_episodes(experts, play_jobs(ENV, jobs, split="train", num_workers=1, progress=False).episodes)
+def overrides(choice_run_overrides):
+    """The ChoiceEnv settings of the online baselines' tests (``choice_run_overrides``), and
+    GRPO with groups of 8 on the 8 tasks."""
     return [
-        f"env={ENV}", "iterations=1", "progress=false", "num_threads=1", "tensorboard=false", "seed=0",
-        f"model.name_or_path={tiny_model_dir}", "model.precision=fp32", "model.device=cpu", "model.lora.enabled=false",
-        "prompt.max_prompt_tokens=256", "prompt.reserve_action_tokens=8",
-        f"bc.data.train_path={experts}", "bc.data.only_won=false", "bc.max_steps=150", "bc.optim.lr=1e-2",
-        "bc.grad_accum_steps=1", "bc.tokens_per_batch=4096", "bc.tensorboard=false",
-        "rollout.agent.max_new_tokens=8", "rollout.agent.num_workers=1",
-        "eval.splits=[seen]", "eval.agent.max_new_tokens=8", "eval.agent.num_workers=1",
-        f"buffer.expert_path={experts}", "buffer.num_expert=2", "label.estimator=outcome", "probe.states=0",
-        "policy.max_steps=1", "policy.grad_accum_steps=1", "policy.tokens_per_batch=4096", "policy.tensorboard=false",
+        *choice_run_overrides,
         "baselines=[grpo]", f"grpo.rounds={ROUNDS}", "grpo.group_size=8", "grpo.policy.epochs=2",
         "grpo.policy.optim.lr=3e-4", "grpo.policy.grad_accum_steps=1", "grpo.policy.tokens_per_batch=4096",
         "grpo.policy.save_every=2", "grpo.policy.tensorboard=false",
@@ -108,37 +91,18 @@ def test_grpo_rounds_learn_the_rewarded_action_and_the_row_counts_their_env_step
 
 
 def test_a_budget_of_env_steps_stops_before_a_round_and_a_kill_inside_a_round_resumes_to_the_same_weights(
-        uninterrupted, overrides, tmp_path, monkeypatch):
+        uninterrupted, overrides, tmp_path, killed_in_round_2_and_resumed):
     """The budget is checked before each round: with the steps of two rounds still under it, a third runs
     (and passes it), then GRPO stops. Killed inside round 2's update (after its checkpoint at step 2), the
     run resumes from that checkpoint, and every round's stages equal the uninterrupted run's, weights
     included (rounds 1-3 do not depend on how many rounds follow)."""
-    from qevolve.training.trainer import Trainer
-
     reference, _, _ = uninterrupted
     ref = stages_of(reference)
     steps = [ref[f"iter_1/grpo/round_{r}/rollouts"]["metrics"]["env_steps"] for r in range(1, ROUNDS + 1)]
     budget = steps[0] + steps[1] + 1  # two rounds leave it unspent: the third runs and passes it
     config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={tmp_path}", "name=run", "grpo.rounds=null",
                                               f"grpo.env_steps={budget}"])
-    real_finish = Trainer.finish_step
-    killed: list[int] = []
-
-    def finish_step(trainer, stage, step, *args, **kwargs):
-        if ".policy.partial" in str(trainer.output_dir) and "round_2" in str(trainer.output_dir) and step == 3 \
-                and not killed:
-            killed.append(step)
-            raise KeyboardInterrupt("killed inside round 2's update")
-        return real_finish(trainer, stage, step, *args, **kwargs)
-
-    monkeypatch.setattr(Trainer, "finish_step", finish_step)
-    with pytest.raises(KeyboardInterrupt):
-        run_evolve(config, log=lambda m: None)
-    run = tmp_path / "run"
-    assert list(stages_of(run))[-1] == "iter_1/grpo/round_2/label" and killed == [3]
-    messages: list[str] = []
-    run_evolve(config, resume=True, log=messages.append)
-    assert any("policy: resumed from" in m and "at step 2" in m for m in messages)
+    run, messages = killed_in_round_2_and_resumed(config, "grpo")
     ours = stages_of(run)
     assert [name for name in ours if "/grpo/" in name] == [
         f"iter_1/grpo/round_{r}/{part}" for r in (1, 2, 3) for part in ("rollouts", "label", "policy")] + [
