@@ -3,8 +3,8 @@
 Each dataset is the list of source files an environment declares (its class's ``data_files``, see
 :mod:`qevolve.environments.installed_data`), named like the environment. An install copies (or
 unpacks, for tarballs) every file into a temporary folder beside the target, verifies every checksum
-first, writes a manifest, and only then renames the folder into place. A crash therefore never leaves a half-installed dataset, and a
-second install of a complete dataset is a no-op.
+first, writes a manifest, and only then renames the folder into place. A crash therefore never
+leaves a half-installed dataset, and a second install of a complete dataset is a no-op.
 """
 
 from __future__ import annotations

@@ -10,4 +10,5 @@ from qevolve.environments.base import (
     register_environment,
 )
 
-__all__ = ["SPLITS", "DataFile", "Environment", "StepResult", "environment_names", "make_environment", "register_environment"]
+__all__ = ["SPLITS", "DataFile", "Environment", "StepResult", "environment_names", "make_environment",
+           "register_environment"]
