@@ -163,6 +163,25 @@ def test_a_manifest_with_the_old_penalties_table_resumes_with_the_same_penalties
         RunDirectory(tmp_path / "old", changed, seed=0, resume=True, upgrade=upgrade_recorded)
 
 
+def test_a_penalties_override_changes_only_the_numbers_it_gives():
+    """WebShop declares -0.3/0/0; overriding its format penalty must keep its 0/0, not take the field
+    defaults -0.2/-0.1 (ALFWorld's numbers)."""
+    from qevolve.critic.retrospective import AuxPenalties, penalties_for
+    from qevolve.evolve.loop import EvolveConfig, recorded_config
+
+    config = load_config(EvolveConfig, None, ["env=webshop", "critic.retrospective.penalties.webshop.format_error=-0.5"])
+    assert penalties_for("webshop", config.critic.retrospective) == AuxPenalties(format_error=-0.5, invalid_action=0.0,
+                                                                                repeat=0.0)
+    assert penalties_for("alfworld", config.critic.retrospective) == AuxPenalties(format_error=-0.3,
+                                                                                 invalid_action=-0.2, repeat=-0.1)
+    # recorded whole, so a resume (which validates the recorded dict again) reads the same numbers
+    recorded = recorded_config(config)["critic"]["retrospective"]["penalties"]
+    assert recorded == {"webshop": {"format_error": -0.5, "invalid_action": 0.0, "repeat": 0.0}}
+    again = load_config(EvolveConfig, None, ["env=webshop"]).critic.retrospective.model_validate(
+        {"penalties": recorded})
+    assert penalties_for("webshop", again) == AuxPenalties(format_error=-0.5, invalid_action=0.0, repeat=0.0)
+
+
 def test_a_partial_baseline_section_keeps_the_baselines_own_defaults():
     """eto's default objective is DPO and rft's default budget one epoch with 2-step accumulation: setting
     one other field of those sections must not fall back to the plain stage defaults (eto became BPPO)."""

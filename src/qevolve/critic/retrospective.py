@@ -13,6 +13,8 @@ advantage (section 5).
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, field_validator
 
 from qevolve.buffer.store import Episode
@@ -36,6 +38,19 @@ class RetrospectiveConfig(StageConfig):
         description="overrides of the penalties, keyed by Episode.env (the environment's name, e.g. webshop); an "
         "environment without an entry uses those its class declares (Environment.retrospective_penalties). An "
         "entry equal to the class's declaration overrides nothing and is left out")
+
+    @field_validator("penalties", mode="before")
+    @classmethod
+    def _over_declared(cls, penalties: Any) -> Any:
+        # An entry overrides the keys it gives: `penalties.webshop.format_error=-0.5` keeps WebShop's own 0/0
+        # for the other two, not AuxPenalties' field defaults (which are ALFWorld's numbers).
+        if not isinstance(penalties, dict):
+            return penalties
+        merged = {}
+        for env, entry in penalties.items():
+            declared = _declaration_if_loadable(env) if isinstance(entry, dict) else None
+            merged[env] = {**declared.model_dump(), **entry} if declared is not None else entry
+        return merged
 
     @field_validator("penalties")
     @classmethod
