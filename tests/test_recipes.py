@@ -95,6 +95,8 @@ def test_a_name_is_registered_once_and_names_a_folder(rft_twice):
         register_recipe("rft_twice")(lambda run, start: None)
     with pytest.raises(ValueError, match="without '/'"):
         register_recipe("iter/rft")
+    with pytest.raises(ValueError, match="a stage of every iteration has this name"):
+        register_recipe("critic")
 
 
 def test_a_recipe_that_reads_the_critic_has_it_trained():

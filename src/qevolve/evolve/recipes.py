@@ -117,6 +117,8 @@ Recipe = Callable[[Run, Start], None]
 
 @dataclass(frozen=True)
 class RegisteredRecipe:
+    """A recipe of the registry, with what the loop and ``--show-config`` read of it."""
+
     name: str
     recipe: Recipe
     description: str        # one line, for --show-config
@@ -134,6 +136,8 @@ def register_recipe(name: str, *, reads_critic: bool = False) -> Callable[[Recip
     the labels need none."""
     if not name or "/" in name:
         raise ValueError(f"recipe name {name!r}: expected a non-empty name without '/' (it names a folder)")
+    if name in ("rollouts", "buffer", "critic", "label", "policy", "probe") or name.startswith("eval_"):
+        raise ValueError(f"recipe name {name!r}: a stage of every iteration has this name (its folder iter_k/{name})")
 
     def register(recipe: Recipe) -> Recipe:
         known = RECIPES.get(name)
@@ -223,7 +227,8 @@ def qevolve(run: Run) -> None:
         it = f"iter_{k}"
         rollouts = run.stage(f"{it}/rollouts", rollouts_stage, {"policy": policy}).outputs["trajectories"]
         own_rollouts = [*own_rollouts, rollouts] if config.buffer.self_data == "accumulate" else [rollouts]
-        buffer = run.stage(f"{it}/buffer", buffer_stage, {"experts": expert_store(config), "self": ",".join(own_rollouts)},
+        buffer = run.stage(f"{it}/buffer", buffer_stage, {"experts": expert_store(config),
+                                                          "self": ",".join(own_rollouts)},
                            self_trajectories=own_rollouts, tokenizer_of=policy).outputs["buffer"]
         critic = run.stage(f"{it}/critic", critic_stage, {"buffer": buffer}, critic=config.critic).outputs["critic"] \
             if main_critic_read(config) else None
@@ -367,7 +372,8 @@ def ppo(run: Run, start: Start) -> None:
 
     def label_round(prefix: str, r: int, rollouts: str) -> str:
         previous = heads.get(r - 1)
-        inputs = {"rollouts": rollouts, "backbone": run.bc_policy, **({"value": previous} if previous is not None else {})}
+        inputs = {"rollouts": rollouts, "backbone": run.bc_policy,
+                  **({"value": previous} if previous is not None else {})}
         valued = run.stage(f"{prefix}/value", value_stage, inputs, settings=settings, round_number=r)
         heads[r] = valued.outputs["value"]
         return run.stage(f"{prefix}/label", gae_label_stage, {"valued": valued.outputs["valued"]}, settings=settings,

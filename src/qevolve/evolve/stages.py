@@ -40,7 +40,8 @@ from qevolve.seeding import DEMONSTRATIONS, derive_seed
 EVAL_KEYS = ("success_rate", "mean_reward", "mean_turns", "format_error_rate", "invalid_action_rate",
              "truncated_turn_rate", "episodes", "failed_episodes", "env_steps", "tokens_generated")
 
-Outputs = tuple[dict[str, str], dict[str, Any]]
+#: what a stage returns: the paths of its outputs inside its work folder, and its metrics
+StageResult = tuple[dict[str, str], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -66,21 +67,21 @@ class StageContext:
         return int(head.split("_")[1]) if head.startswith("iter_") else 0
 
 
-def training_stage(stage: Callable[..., Outputs]) -> Callable[..., Outputs]:
+def training_stage(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
     """Marks a training stage: an interrupted attempt continues from its newest checkpoint."""
     stage.resumable = True  # type: ignore[attr-defined]
     return stage
 
 
-def generating_stage(stage: Callable[..., Outputs]) -> Callable[..., Outputs]:
+def generating_stage(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
     """Marks a stage that generates (rollouts, evaluations, probes): it may keep the vLLM engine of the stage
     before it; before every other stage the loop releases the engine."""
     stage.generates = True  # type: ignore[attr-defined]
     return stage
 
 
-def numbers(summary: dict[str, Any]) -> dict[str, Any]:
-    """The numeric entries of a trainer's summary: what the manifest records as the stage's metrics."""
+def numeric_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The numeric entries of a summary (a trainer's, the labels'): what the manifest records of it."""
     return {key: value for key, value in summary.items() if isinstance(value, (int, float))}
 
 
@@ -261,7 +262,7 @@ def record_evaluation(policy_folder: Path, config: EvolveSettings, prefix: str) 
 
 
 @training_stage
-def bc_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
+def bc_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """pi <- BC(D_expert): behaviour cloning of the base model on the expert demonstrations (nothing to
     train when ``init_checkpoint`` gives the BC policy)."""
     from qevolve.policy.bc import run_bc
@@ -282,7 +283,7 @@ def bc_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
     return {"policy": "final"}, metrics
 
 
-def _collect(ctx: StageContext, rollout_config: Any, task_ids: list[str] | None) -> Outputs:
+def _run_rollouts(ctx: StageContext, rollout_config: Any, task_ids: list[str] | None) -> StageResult:
     """Episodes of the rollout config's policy on its tasks (or ``task_ids``), as a rollouts stage records them."""
     from qevolve.rollouts.run import run_rollouts
 
@@ -294,7 +295,7 @@ def _collect(ctx: StageContext, rollout_config: Any, task_ids: list[str] | None)
 
 
 @generating_stage
-def rollouts_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
+def rollouts_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """D_self <- rollouts of the policy at ``inputs["policy"]`` on the training tasks (``rollout``)."""
     from qevolve.rollouts.run import RolloutConfig
 
@@ -305,11 +306,11 @@ def rollouts_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
         episodes_per_task=config.rollout.episodes_per_task,
         model=replaced(config.model, {"name_or_path": inputs["policy"]}), prompt=config.prompt, source="self",
         agent=replaced(config.rollout.agent, {"seed": ctx.seed}))
-    return _collect(ctx, rollout_config, rollout_task_ids(config))
+    return _run_rollouts(ctx, rollout_config, rollout_task_ids(config))
 
 
 def buffer_stage(ctx: StageContext, inputs: dict[str, str], *, self_trajectories: Sequence[str],
-                 tokenizer_of: str) -> Outputs:
+                 tokenizer_of: str) -> StageResult:
     """D <- D_expert U D_self: the buffer's expert episodes and the rollouts at ``self_trajectories``, in
     token space with the tokeniser of the policy at ``tokenizer_of``."""
     from qevolve.models.loading import load_policy
@@ -330,7 +331,7 @@ def buffer_stage(ctx: StageContext, inputs: dict[str, str], *, self_trajectories
 
 
 @training_stage
-def critic_stage(ctx: StageContext, inputs: dict[str, str], *, critic: CriticConfig) -> Outputs:
+def critic_stage(ctx: StageContext, inputs: dict[str, str], *, critic: CriticConfig) -> StageResult:
     """V, Q <- weighted IQL on the buffer at ``inputs["buffer"]`` with the settings ``critic`` (the run's
     ``critic`` section, or a variant's override of it), from the run's critic backbone."""
     from qevolve.critic.train import FIT_KEYS, critic_fit_line, train_critic
@@ -350,7 +351,7 @@ def critic_stage(ctx: StageContext, inputs: dict[str, str], *, critic: CriticCon
                              "converged_by": summary["converged_by"]}
 
 
-def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig) -> Outputs:
+def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig) -> StageResult:
     """A_t <- process rewards of every turn of the buffer at ``inputs["buffer"]`` with the settings ``label``
     (from the critic at ``inputs["critic"]`` where its estimator needs one), and the label audit where
     the environment judges single actions."""
@@ -366,7 +367,7 @@ def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig
                                        progress=config.progress)
     write_episodes(ctx.workdir / "labelled.parquet", episodes, {"env": config.env, "iteration": ctx.iteration})
     outputs = {"labelled": "labelled.parquet"}
-    metrics = numbers(summary)
+    metrics = numeric_metrics(summary)
     # the environment's judge of single actions, where it has one (WebShop): do the labels put
     # the right clicks above the wrong ones? A diagnostic: it never stops the run.
     # (standardised as the policy update does, where its mode does not depend on batching)
@@ -386,7 +387,7 @@ def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig
 
 
 def _update_policy(ctx: StageContext, section: PolicyStageConfig, data: str, start: str,
-                   evaluated_as: str) -> Outputs:
+                   evaluated_as: str) -> StageResult:
     """The policy update ``section`` from the policy at ``start`` on the episodes at ``data``, KL to the run's
     BC policy; the saved policy records how the stages ``<evaluated_as>/eval_<split>`` evaluate it."""
     from qevolve.policy.bppo import run_policy_update
@@ -399,12 +400,12 @@ def _update_policy(ctx: StageContext, section: PolicyStageConfig, data: str, sta
         "progress": config.progress, "resume": True})
     result = run_policy_update(policy_config, log=ctx.log)
     record_evaluation(ctx.workdir / "final", config, evaluated_as)
-    return {"policy": "final"}, numbers(result.summary())
+    return {"policy": "final"}, numeric_metrics(result.summary())
 
 
 @training_stage
 def policy_stage(ctx: StageContext, inputs: dict[str, str], *, policy: PolicyStageConfig,
-                 evaluated_as: str | None = None) -> Outputs:
+                 evaluated_as: str | None = None) -> StageResult:
     """pi <- the update ``policy`` (BPPO in the method) of the policy at ``inputs["start"]`` on the labelled
     turns at ``inputs["labelled"]``. Its policy is evaluated as ``evaluated_as`` (default: the stage's
     folder, ``iter_k`` for ``iter_k/policy``)."""
@@ -413,7 +414,7 @@ def policy_stage(ctx: StageContext, inputs: dict[str, str], *, policy: PolicySta
 
 
 @training_stage
-def rft_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
+def rft_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """The rft baseline's training: BC from ``inputs["start"]`` on the won episodes of the buffer at
     ``inputs["buffer"]`` (:func:`rft_config`)."""
     from qevolve.policy.bc import run_bc
@@ -427,14 +428,14 @@ def rft_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
 
 
 @training_stage
-def eto_stage(ctx: StageContext, inputs: dict[str, str]) -> Outputs:
+def eto_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """The eto baseline's training: the ``eto`` section (DPO) from ``inputs["start"]`` on the (better, worse)
     trajectory pairs of the buffer at ``inputs["buffer"]``."""
     return _update_policy(ctx, ctx.config.eto, inputs["buffer"], inputs["start"], ctx.name.rpartition("/")[0])
 
 
 @generating_stage
-def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Outputs:
+def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> StageResult:
     """Evaluation of the policy at ``inputs["policy"]`` on ``split`` with the run's evaluation settings
     (:func:`evaluation_settings`); re-ranked by the critic at ``inputs["critic"]`` when given (``rerank``)."""
     from qevolve.critic.train import load_critic
@@ -452,7 +453,8 @@ def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Outp
     # the settings saved policies record (record_evaluation), so `qevolve eval` repeats this
     rollout_config = RolloutConfig.model_validate(merge_trees(
         evaluation_settings(config, prefix)["rollout"],
-        merge_trees(rerank, {"split": split, "model": {"name_or_path": inputs["policy"]}, "agent": {"seed": ctx.seed}})))
+        merge_trees(rerank, {"split": split, "model": {"name_or_path": inputs["policy"]},
+                             "agent": {"seed": ctx.seed}})))
     metrics = run_eval(rollout_config, ctx.workdir, progress=config.progress, load_critic=load_critic)
     warning = truncation_warning(metrics, rollout_config.agent.max_new_tokens)
     if warning:
@@ -463,7 +465,7 @@ def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Outp
 
 @generating_stage
 def probe_stage(ctx: StageContext, inputs: dict[str, str], *,
-                states: Callable[[], tuple[list[tuple[Episode, int]], bool]]) -> Outputs:
+                states: Callable[[], tuple[list[tuple[Episode, int]], bool]]) -> StageResult:
     """The format probe of the policy at ``inputs["policy"]``: one greedy turn on each of the run's probe
     states (``states()``: :func:`probe_states`, drawn once per run) with the evaluation's settings."""
     from qevolve.evaluation.probe import probe_policy
@@ -482,7 +484,7 @@ def probe_stage(ctx: StageContext, inputs: dict[str, str], *,
 
 @generating_stage
 def online_rollouts_stage(ctx: StageContext, inputs: dict[str, str], *, settings: OnlineRoundSettings,
-                          episodes_per_task: int) -> Outputs:
+                          episodes_per_task: int) -> StageResult:
     """A round of an online baseline (``settings``: its section): ``episodes_per_task`` episodes of the policy
     at ``inputs["policy"]`` on each of the round's tasks (:func:`online_round_tasks`), sampled."""
     from qevolve.rollouts.run import RolloutConfig
@@ -494,10 +496,11 @@ def online_rollouts_stage(ctx: StageContext, inputs: dict[str, str], *, settings
         model=replaced(config.model, {"name_or_path": inputs["policy"]}), prompt=config.prompt, source="self",
         agent=replaced(config.rollout.agent, {"seed": ctx.seed, "temperature": settings.temperature,
                                               "top_p": settings.top_p}))
-    return _collect(ctx, rollout_config, online_round_tasks(config, ctx.name, settings.tasks_per_round))
+    return _run_rollouts(ctx, rollout_config, online_round_tasks(config, ctx.name, settings.tasks_per_round))
 
 
-def group_label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig, round_number: int) -> Outputs:
+def group_label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig,
+                      round_number: int) -> StageResult:
     """A grpo round's labels: every turn of the round's rollouts at ``inputs["rollouts"]`` gets its episode's
     group advantage (``label``: grpo, rloo or gigpo; no critic)."""
     from qevolve.process_rewards.label import label_episodes
@@ -505,10 +508,10 @@ def group_label_stage(ctx: StageContext, inputs: dict[str, str], *, label: Label
     episodes, summary = label_episodes(read_episodes(ctx.path(inputs["rollouts"])), None, label,
                                        progress=ctx.config.progress)
     write_episodes(ctx.workdir / "labelled.parquet", episodes, {"env": ctx.config.env, "grpo_round": round_number})
-    return {"labelled": "labelled.parquet"}, numbers(summary)
+    return {"labelled": "labelled.parquet"}, numeric_metrics(summary)
 
 
-def value_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings, round_number: int) -> Outputs:
+def value_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings, round_number: int) -> StageResult:
     """A ppo round's value head: fitted (from the round before's head at ``inputs["value"]``, if any) to the
     lambda-returns of the round's rollouts at ``inputs["rollouts"]``, on the frozen hidden states of
     ``inputs["backbone"]`` (the BC policy); every turn gets V_old, the head's value before the fit."""
@@ -527,7 +530,8 @@ def value_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSetti
     return {"value": VALUE_FILE, "valued": "valued.parquet"}, summary
 
 
-def gae_label_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings, round_number: int) -> Outputs:
+def gae_label_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings,
+                    round_number: int) -> StageResult:
     """A ppo round's labels: GAE over r_env and V_old (the V the round acted with) on every turn of the valued
     rollouts at ``inputs["valued"]``."""
     from qevolve.process_rewards.label import label_with_values
@@ -536,4 +540,4 @@ def gae_label_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOS
     episodes, summary = label_with_values(read_episodes(ctx.path(inputs["valued"])), label,
                                           settings.truncated_bootstrap)
     write_episodes(ctx.workdir / "labelled.parquet", episodes, {"env": ctx.config.env, "ppo_round": round_number})
-    return {"labelled": "labelled.parquet"}, numbers(summary)
+    return {"labelled": "labelled.parquet"}, numeric_metrics(summary)
