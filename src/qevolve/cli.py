@@ -728,7 +728,7 @@ def _eval_configs(config: Optional[Path], overrides: list[str], checkpoint: Opti
                   env: Optional[str], limit: Optional[int]) -> tuple[list[Any], list[str]]:
     """The evaluations ``qevolve eval`` runs (one RolloutConfig per split) and lines saying where their
     settings come from. A policy saved by ``qevolve evolve`` records the run's evaluation (see
-    :func:`qevolve.evolve.loop.evaluation_settings`): its environment, splits, tasks, prompt, model and
+    :func:`qevolve.evolve.stages.evaluation_settings`): its environment, splits, tasks, prompt, model and
     agent settings and each split's seed are the starting point, under the --config file, overrides and
     options. A policy saved by ``qevolve bc``/``policy`` records its environment and prompt. Without
     --checkpoint (or model.name_or_path in the config or overrides) there is no policy: an empty list."""
@@ -906,7 +906,7 @@ def evolve(
     if seeds is not None:
         overrides.append(f"seeds={parse_seeds(seeds)}")
     show_config("evolve", EvolveConfig, show, defaults, lambda: load_config(EvolveConfig, config, overrides),
-                ["fields the loop sets itself are comments saying what decides them"])
+                ["fields the loop sets itself are comments saying what decides them", *recipe_notes()])
     replicates = seed_replicates(load_config(EvolveConfig, config, overrides))
     for number, cfg in enumerate(replicates, 1):
         if len(replicates) > 1:
@@ -923,6 +923,14 @@ def evolve(
         folders = " ".join(str(Path(c.runs_dir) / c.name) for c in replicates)
         typer.echo(f"\nevery seed's run is done; compare them: qevolve compare {folders} --output "
                    f"{Path(replicates[0].runs_dir) / replicates[0].name.rsplit('-s', 1)[0]}-seeds")
+
+
+def recipe_notes() -> list[str]:
+    """``evolve --show-config``'s lines on the recipes ``baselines`` may name, one per recipe."""
+    from qevolve.evolve.recipes import RECIPES
+
+    return ["the recipes that baselines may name (add your own with qevolve.evolve.recipes.register_recipe):",
+            *(f"  {recipe.name}: {recipe.description}" for recipe in RECIPES.values())]
 
 
 def parse_seeds(text: str) -> list[int]:

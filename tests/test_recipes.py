@@ -1,0 +1,122 @@
+"""Recipes: a method of one's own, registered by name and run by ``baselines`` over the loop's stages, and
+the checks of the registry (an unknown name, a name taken twice, ``--show-config``'s list)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qevolve.buffer.store import write_episodes
+from qevolve.cli import app
+from qevolve.config import ConfigError, load_config
+from qevolve.evolve.loop import EvolveConfig, run_evolve
+from qevolve.evolve.recipes import RECIPES, Run, Start, evaluate, main_critic_read, register_recipe
+from qevolve.evolve.stages import rft_stage
+
+ENV = "qevolve.environments.testing:QuietCounterEnv"
+
+
+@pytest.fixture
+def rft_twice():
+    """The recipe of the recipes module's docstring: RFT, then RFT again from its policy."""
+
+    @register_recipe("rft_twice")
+    def recipe(run: Run, start: Start) -> None:
+        """RFT, then RFT again from its policy."""
+        prefix = f"{start.iteration}/rft_twice"
+        first = run.stage(f"{prefix}/first", rft_stage, {"buffer": start.buffer, "start": start.policy})
+        second = run.stage(f"{prefix}/policy", rft_stage, {"buffer": start.buffer,
+                                                           "start": run.path(first.outputs["policy"])})
+        evaluate(run, prefix, run.path(second.outputs["policy"]))
+
+    yield recipe
+    del RECIPES["rft_twice"]
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory, tiny_model_dir):
+    from qevolve.environments.episodes import EpisodeJob
+    from qevolve.environments.play import play_jobs
+    from qevolve.environments.policies import WalkthroughPolicy
+
+    folder = tmp_path_factory.mktemp("recipes")
+    jobs = [EpisodeJob(f"count-{n}", WalkthroughPolicy(), split="train", episode_id=f"expert/{n}") for n in range(1, 4)]
+    experts = folder / "experts.parquet"
+    write_episodes(experts, play_jobs(ENV, jobs, split="train", num_workers=1, progress=False).episodes)
+    trainer = ["max_steps=1", "grad_accum_steps=1", "tensorboard=false"]
+    return [
+        f"env={ENV}", "iterations=1", "progress=false", "num_threads=1", "tensorboard=false",
+        f"model.name_or_path={tiny_model_dir}", "model.precision=fp32", "model.device=cpu",
+        "prompt.max_prompt_tokens=512", "prompt.reserve_action_tokens=16",
+        f"bc.data.train_path={experts}", "bc.tokens_per_batch=2048", *(f"bc.{o}" for o in trainer),
+        "rollout.tasks=buffer_experts", "rollout.agent.max_turns=2", "rollout.agent.max_new_tokens=8",
+        "eval.splits=[seen]", "eval.limit=1", "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8",
+        f"buffer.expert_path={experts}", "label.estimator=outcome", "probe.states=0",
+        "policy.tokens_per_batch=2048", *(f"policy.{o}" for o in trainer),
+        "rft.tokens_per_batch=2048", *(f"rft.{o}" for o in trainer),
+    ]
+
+
+def test_a_registered_recipe_runs_over_the_stages_and_resumes(rft_twice, overrides, tmp_path):
+    config = load_config(EvolveConfig, None, [*overrides, "baselines=[rft_twice]", f"runs_dir={tmp_path}", "name=run"])
+    table = run_evolve(config, log=lambda message: None)
+    stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]}
+    # after Q-Evolve's own iteration 1 (outcome labels: no critic), from its starting policy and buffer
+    assert list(stages) == ["bc", "bc/eval_seen", "iter_1/rollouts", "iter_1/buffer", "iter_1/label", "iter_1/policy",
+                            "iter_1/eval_seen", "iter_1/rft_twice/first", "iter_1/rft_twice/policy",
+                            "iter_1/rft_twice/eval_seen"]
+    assert stages["iter_1/rft_twice/first"]["inputs"] == {"buffer": "iter_1/buffer/buffer.parquet", "start": "bc/final"}
+    assert stages["iter_1/rft_twice/policy"]["inputs"]["start"] == "iter_1/rft_twice/first/final"
+    assert stages["iter_1/rft_twice/eval_seen"]["inputs"]["policy"] == "iter_1/rft_twice/policy/final"
+    assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "rft_twice (iter 1)"]
+    # the saved policy says how the run evaluates it (as the recipe's stages do)
+    info = json.loads((tmp_path / "run" / "iter_1/rft_twice/policy/final/qevolve_policy.json").read_text())
+    assert info["evaluation"]["stages"] == ["iter_1/rft_twice/eval_seen"]
+    # a resumed run finds every stage recorded and runs none
+    ran: list[str] = []
+    assert run_evolve(config, resume=True, log=ran.append) == table
+    assert [message for message in ran if message.startswith("[")] == [
+        f"[{name}] done earlier, skipped (resume)" for name in stages]
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"] == list(stages.values())
+
+
+def test_baselines_name_registered_recipes_in_one_line(rft_twice):
+    with pytest.raises(ConfigError, match=r"baselines.*unknown recipe 'rft_thrice' \(registered recipes: rft, eto, "
+                       r"rerank, grpo, ppo, rft_twice\)") as error:
+        load_config(EvolveConfig, None, ["baselines=[rft, rft_thrice]"])
+    assert "\n" not in str(error.value)
+    assert load_config(EvolveConfig, None, ["baselines=[rft_twice]"]).baselines == ["rft_twice"]
+
+
+def test_a_name_is_registered_once_and_names_a_folder(rft_twice):
+    with pytest.raises(ValueError, match="recipe 'rft_twice' is registered already"):
+        register_recipe("rft_twice")(lambda run, start: None)
+    with pytest.raises(ValueError, match="without '/'"):
+        register_recipe("iter/rft")
+    with pytest.raises(ValueError, match="a stage of every iteration has this name"):
+        register_recipe("critic")
+
+
+def test_a_recipe_that_reads_the_critic_has_it_trained():
+    no_critic = ["label.estimator=outcome"]
+    assert not main_critic_read(load_config(EvolveConfig, None, no_critic))
+    assert main_critic_read(load_config(EvolveConfig, None, [*no_critic, "baselines=[rerank]"]))
+
+    @register_recipe("critic_reader", reads_critic=True)
+    def critic_reader(run: Run, start: Start) -> None:
+        """Reads the iteration's critic."""
+
+    try:
+        assert main_critic_read(load_config(EvolveConfig, None, [*no_critic, "baselines=[critic_reader]"]))
+    finally:
+        del RECIPES["critic_reader"]
+
+
+def test_show_config_lists_the_recipes_with_their_descriptions(rft_twice):
+    result = CliRunner().invoke(app, ["evolve", "--show-config"])
+    assert result.exit_code == 0, result.output
+    for name in ("rft", "eto", "rerank", "grpo", "ppo"):
+        assert f"\n#   {name}: {RECIPES[name].description}\n" in result.output
+    assert "\n#   rft_twice: RFT, then RFT again from its policy.\n" in result.output
