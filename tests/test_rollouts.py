@@ -103,6 +103,10 @@ def test_eval_writes_trajectories_and_metrics(tiny_model_dir, tmp_path):
     metrics = run_eval(config, tmp_path, progress=False)
     assert metrics["episodes"] == 2 and metrics["success_rate"] == 0.0 and metrics["format_error_rate"] == 1.0
     assert metrics["protocol"]["split"] == "unseen"
+    # the first turn encodes the whole prompt, the second (the cache reused) only its new tokens
+    first_prompts = sum(len(ep.turns[0].context_ids) for ep in read_episodes(tmp_path / "trajectories"))
+    assert first_prompts < metrics["prompt_tokens_encoded_this_run"] < 2 * first_prompts
+    assert metrics["cache_rebuilds_this_run"] >= 1
     episodes = read_episodes(tmp_path / "trajectories")
     assert sorted(ep.task_id for ep in episodes) == sorted(list_tasks("alfworld", "unseen")[::10][:2])
     turns = [t for ep in episodes for t in ep.turns]  # the record survives storage; cut turns have 8 tokens

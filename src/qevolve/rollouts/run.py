@@ -217,6 +217,11 @@ def run_rollouts(config: RolloutConfig, output: Path, progress: bool = True, pol
         "generated_tokens_per_second": round(result.tokens_generated / result.generation_seconds, 2)
         if result.generation_seconds else 0.0,
         "failed": [list(f) for f in result.failed], "generation_backend": backend_name,
+        # where generation's time goes: prompt tokens run through the model (a reused key/value cache
+        # encodes only a turn's new tokens; a rebuilt one, every token of the prompt again) against
+        # tokens generated
+        "prompt_tokens_encoded_this_run": backend.stats.prompt_tokens_encoded,
+        "cache_rebuilds_this_run": backend.stats.cache_rebuilds,
     })
     failure = first_failure(episodes)
     if failure is not None:
