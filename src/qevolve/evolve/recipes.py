@@ -316,12 +316,16 @@ def online_rounds(run: Run, start: Start, name: str, settings: OnlineRoundSettin
     acting policy, KL to the BC policy), which gives the next round's policy. Rounds run while
     ``settings.rounds`` allows and fewer than ``settings.env_steps`` environment steps were spent (a round
     is never cut: the budget is checked before each one, on the steps the earlier rounds' manifests
-    record, so a resumed run stops where an uninterrupted one does)."""
+    record, so a resumed run stops where an uninterrupted one does).
+
+    The first round whose steps, with the earlier rounds', reach a budget of
+    ``settings.evaluate_at_env_steps`` has its policy probed and evaluated (``<iter>/<name>/round_r/probe``,
+    ``.../eval_<split>``) before the next round starts; not the last round, whose policy the caller
+    evaluates as ``<iter>/<name>``."""
     it = start.iteration
     policy, spent, r = start.policy, 0, 0
-    while settings.rounds is None or r < settings.rounds:
-        if settings.env_steps is not None and spent >= settings.env_steps:
-            break
+    pending = list(settings.evaluate_at_env_steps)
+    while True:  # rounds >= 1 and env_steps >= 1: the first round always runs
         r += 1
         prefix = f"{it}/{name}/round_{r}"
         rollouts = run.stage(f"{prefix}/rollouts", online_rollouts_stage, {"policy": policy}, settings=settings,
@@ -332,12 +336,26 @@ def online_rounds(run: Run, start: Start, name: str, settings: OnlineRoundSettin
         updated = run.stage(f"{prefix}/policy", policy_stage, {"labelled": labelled, "start": policy},
                             policy=settings.policy, evaluated_as=f"{it}/{name}")
         policy = run.path(updated.outputs["policy"])
-        if steps == 0 and settings.rounds is None:  # nothing spent: the budget alone would never stop it
+        stalled = steps == 0 and settings.rounds is None  # nothing spent: the budget alone would never stop it
+        last = stalled or (settings.rounds is not None and r >= settings.rounds) or \
+            (settings.env_steps is not None and spent >= settings.env_steps)
+        reached = [budget for budget in pending if budget <= spent]
+        pending = [budget for budget in pending if budget > spent]
+        if reached and not last:
+            run.log(f"[{prefix}] {spent} env steps reach the budget{'s' if len(reached) > 1 else ''} "
+                    f"{', '.join(map(str, reached))}: its policy is evaluated")
+            probe(run, prefix, policy)
+            evaluate(run, prefix, policy)
+        if stalled:
             run.log(f"WARNING: [{prefix}] its rollouts took no environment step (every turn malformed?); "
                     f"{settings.method} stops here rather than spend rounds that the env_steps budget cannot count")
+        if last:
             break
     run.log(f"[{it}/{name}] {r} rounds, {spent} env steps"
             + (f" (budget {settings.env_steps})" if settings.env_steps is not None else ""))
+    if pending:
+        run.log(f"[{it}/{name}] the rounds stopped before the budget{'s' if len(pending) > 1 else ''} "
+                f"{', '.join(map(str, pending))} of evaluate_at_env_steps: no evaluation there")
     return policy
 
 
