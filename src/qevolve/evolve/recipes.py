@@ -38,7 +38,9 @@ same fixed states for every policy and record its format-error rate, the share o
 that broke the turn format is named before its evaluation plays a single episode.
 
 A recipe of your own is a function ``recipe(run, start)`` registered by name; ``baselines: [NAME]``
-runs it::
+runs it where the module that registers it was imported (a script calling ``run_evolve``), and
+``baselines: [package.module:NAME]`` imports the module first, so ``qevolve evolve`` runs it too (the
+module on PYTHONPATH or installed)::
 
     from qevolve.evolve.recipes import Run, Start, evaluate, probe, register_recipe
     from qevolve.evolve.stages import rft_stage
@@ -152,9 +154,35 @@ def register_recipe(name: str, *, reads_critic: bool = False) -> Callable[[Recip
 
 
 def registered_recipe(name: str) -> RegisteredRecipe:
-    """The recipe ``name``; a one-line error listing the registered ones when there is none."""
+    """The recipe ``name``, or of a spec ``"package.module:name"``: the recipe ``name`` that importing
+    ``package.module`` registers (how ``baselines`` names a recipe of one's own from the command line,
+    which imports no module of the user's otherwise; its stages are ``iter_1/name/...`` as the recipe
+    names them). A one-line error naming ``name`` when there is none."""
+    if ":" in name:
+        return _recipe_of_spec(name)
     if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r} (registered recipes: {', '.join(RECIPES) or 'none'})")
+        raise ValueError(f"unknown recipe {name!r} (registered recipes: {', '.join(RECIPES) or 'none'}); a recipe "
+                         "that a module of yours registers: 'package.module:name'")
+    return RECIPES[name]
+
+
+def _recipe_of_spec(spec: str) -> RegisteredRecipe:
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name or ":" in name:
+        raise ValueError(f"recipe {spec!r}: expected 'package.module:name'")
+    try:
+        importlib.import_module(module_name)  # registers its recipes (register_recipe)
+    except ModuleNotFoundError as err:
+        # the module itself is not there (a module it imports that is missing keeps its traceback)
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise ValueError(f"recipe {spec!r}: cannot import module {module_name!r} ({err}); run from the folder "
+                             "that holds it, put that folder on PYTHONPATH or install its package") from None
+        raise
+    if name not in RECIPES:
+        raise ValueError(f"recipe {spec!r}: module {module_name!r} registers no recipe {name!r} (with "
+                         f"register_recipe); registered recipes: {', '.join(RECIPES)}")
     return RECIPES[name]
 
 

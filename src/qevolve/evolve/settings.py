@@ -346,7 +346,8 @@ class EvolveSettings(StageConfig):
         "BC on the buffer's won episodes, expert and self), eto (DPO on trajectory pairs of the same task), "
         "rerank (no policy update: the critic picks among sampled turns); and from the same starting policy but "
         "with rollouts of its own: grpo (online RL with group advantages, see the grpo section) and ppo (online "
-        "PPO with a value head fitted online, see the ppo section)")
+        "PPO with a value head fitted online, see the ppo section); and 'package.module:name', the recipe name "
+        "that importing package.module registers (a recipe of your own, from the command line)")
     rerank: RerankSettings = Field(default_factory=RerankSettings, description="the rerank baseline")
     probe: ProbeSettings = Field(default_factory=ProbeSettings, description="the format probe of each trained "
                                  "policy before its evaluation (generated with eval.agent's settings)")
