@@ -984,8 +984,9 @@ def build_report(run_root: str | Path, max_episodes: int = 200, max_eval_episode
         ("env-steps", "Success against env steps",
          "<p class='note'>Each evaluated policy at the environment steps of its own interaction: the rollouts "
          "that produced it (BC 0; Q-Evolve iteration k the rollouts of iterations 1 to k; a baseline or variant "
-         "of iteration 1 that iteration's rollouts; an online method all of its rounds', and its policies evaluated "
-         "on the way, at env-step budgets, those of the rounds up to theirs: they lie on its line). Expert demonstrations "
+         "of iteration 1 that iteration's rollouts; an online method all of its rounds', and its policies "
+         "evaluated on the way, at env-step budgets, those of the rounds up to theirs: they lie on its line). "
+         "Expert demonstrations "
          f"and evaluation episodes are not counted. The same plots as an image: <code>{ENV_STEPS_PNG}</code> "
          "beside this page.</p>"
          f"<div class='plots'>{env_steps}</div>" if env_steps else "<p>no evaluation with known env steps yet</p>"),
