@@ -172,3 +172,45 @@ def test_every_row_shows_the_env_steps_of_the_interaction_that_made_its_policy(t
     assert any(line.startswith("| seen | GRPO | s1 | 3 |") and line.endswith("| 570 |") for line in text.splitlines())
     assert any(line.startswith("| seen | Q-Evolve iter 2 | all runs |") and line.endswith("| 140 |")
                for line in text.splitlines())
+
+
+def test_an_online_baselines_policies_on_the_way_are_rows_of_their_budget_pooled_across_seeds(tmp_path):
+    """GRPO evaluated at budgets (grpo.evaluate_at_env_steps [150, 250]): each seed's round that first reaches a
+    budget is a row named by the budget, with the steps that round actually spent; seeds whose rounds differ
+    in length pool the budget (round 2 in one seed, round 1 in the other), and a budget that only the last
+    round reached is the last policy's evaluation."""
+    from qevolve.evaluation.compare import policy_env_steps, success_table
+
+    tasks = [f"t{i}" for i in range(4)]
+    outcome = {t: (i < 2, 1.0 if i < 2 else 0.0) for i, t in enumerate(tasks)}
+    runs = []
+    for name, round_steps, on_the_way in (("s0", (100, 100, 100), [2]), ("s1", (160, 60, 100), [1])):
+        evaluated = ["bc", "iter_1", *(f"iter_1/grpo/round_{r}" for r in on_the_way), "iter_1/grpo"]
+        run = _fake_run(tmp_path, name, {f"{prefix}/eval_seen": outcome for prefix in evaluated})
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["config"] = {"grpo": {"evaluate_at_env_steps": [150, 250]}, "ppo": {"evaluate_at_env_steps": []}}
+        manifest["stages"] += [{"name": "iter_1/rollouts", "metrics": {"env_steps": 40}}] + [
+            {"name": f"iter_1/grpo/round_{r}/rollouts", "metrics": {"env_steps": steps}}
+            for r, steps in enumerate(round_steps, start=1)]
+        (run / "manifest.json").write_text(json.dumps(manifest))
+        runs.append(run)
+    stages = json.loads((runs[0] / "manifest.json").read_text())["stages"]
+    assert policy_env_steps(stages, "iter_1/grpo/round_2") == 200
+    assert policy_env_steps(stages, "iter_1/grpo@150") == 200 and policy_env_steps(stages, "iter_1/grpo@250") == 300
+    assert policy_env_steps(stages, "iter_1/grpo@400") is None  # no round reached it
+    budgets = {"grpo": [150, 250]}
+    assert {row["policy"]: row["env_steps"] for row in success_table(stages, ["seen"], budgets)} == {
+        "BC": 0, "Q-Evolve iter 1": 40, "GRPO at 150 env steps": 200, "GRPO": 300, "GRPO at 250 env steps": 300}
+    # without the budgets (an older reader's view) the round's policy is named by its round
+    assert "GRPO after round 2" in {row["policy"] for row in success_table(stages, ["seen"])}
+
+    result = compare_runs(runs, resamples=100, seed=0)
+    rows = {(r["method"], r["run"]): r["env_steps"] for r in result["rows"]}
+    assert rows[("GRPO at 150 env steps", "s0")] == 200 and rows[("GRPO at 150 env steps", "s1")] == 160
+    assert rows[("GRPO at 150 env steps", "all runs")] == 180
+    assert rows[("GRPO at 250 env steps", "s0")] == 300 and rows[("GRPO at 250 env steps", "s1")] == 320
+    assert not any("round" in method for method, _ in rows)
+    pooled = {row["method"]: row for row in result["seed_rows"]}
+    assert pooled["GRPO at 150 env steps"]["runs"] == 2 and pooled["GRPO at 250 env steps"]["runs"] == 2
+    assert pooled["GRPO at 150 env steps"]["prefix"] == "iter_1/grpo@150"
+    assert "| seen | GRPO at 150 env steps | all runs |" in render_markdown(result)

@@ -106,7 +106,7 @@ def test_shipped_configs_render_within_100_columns_and_load_back():
     root = Path(__file__).resolve().parents[1] / "configs"
     files = [f for f in sorted(root.glob("**/*.yaml")) if f.parent.name in ("configs", "cpu", "gpu", "ablations")
              and f.stem not in ("bc", "critic", "label")]
-    assert len(files) == 21
+    assert len(files) == 22
     for path in files:
         config = load_config(EvolveConfig, path)
         text = render_config(EvolveConfig, config, ["a header that is long enough to need wrapping " * 4])
@@ -193,3 +193,28 @@ def test_a_partial_baseline_section_keeps_the_baselines_own_defaults():
     assert config.eto.optim.lr == EvolveConfig().eto.optim.lr
     assert (config.rft.epochs, config.rft.grad_accum_steps, config.rft.save_every) == (1, 2, 3)
     assert load_config(EvolveConfig, None, ["eto.objective.name=bppo"]).eto.objective.name == "bppo"
+
+
+def test_the_sample_efficiency_config_is_the_quick_protocol_with_k3_and_the_online_baselines_budgets():
+    """configs/cpu/webshop-sample-efficiency.yaml: every setting of configs/cpu/webshop-quick.yaml, plus K = 3,
+    its seeds, and GRPO and PPO at 2,400 env steps evaluated on the way at 240 and 720 (1x, 3x, 10x Q-Evolve
+    K = 3's measured ~240), with rounds of 8 tasks x 4 episodes at the quick protocol's BPPO batch."""
+    from pathlib import Path
+
+    from qevolve.evolve.loop import EvolveConfig
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
+    quick = load_config(EvolveConfig, root / "webshop-quick.yaml").model_dump()
+    figure = load_config(EvolveConfig, root / "webshop-sample-efficiency.yaml").model_dump()
+    assert (figure["name"], figure["seeds"], figure["iterations"], figure["baselines"]) == (
+        "cpu-webshop-sample-efficiency", [0, 1, 2], 3, ["rft", "grpo", "ppo"])
+    for name, episodes in (("grpo", "group_size"), ("ppo", "episodes_per_task")):
+        section = figure[name]
+        assert (section["rounds"], section["env_steps"], section["evaluate_at_env_steps"]) == (None, 2400, [240, 720])
+        assert (section[episodes], section["tasks_per_round"]) == (4, 8)
+        policy = section["policy"]
+        assert (policy["tokens_per_batch"], policy["grad_accum_steps"]) == (4096, 1)
+        assert policy["optim"]["min_lr_ratio"] == 1.0 and policy["optim"]["warmup_steps"] == 0  # a constant lr
+    for field in ("name", "seeds", "iterations", "baselines", "grpo", "ppo"):
+        figure.pop(field), quick.pop(field)
+    assert figure == quick

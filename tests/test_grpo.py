@@ -137,6 +137,12 @@ def test_grpo_settings_defaults_and_refusals():
         load_config(EvolveConfig, None, ["grpo.group_size=1"])
     with pytest.raises(ConfigError, match="grpo.policy.reference"):  # the loop sets it: the BC policy
         load_config(EvolveConfig, None, ["grpo.policy.reference=somewhere"])
+    assert load_config(EvolveConfig, None, []).grpo.evaluate_at_env_steps == []  # only the last round's policy
+    for budgets, message in (("[0,5]", "positive"), ("[5,5]", "increasing order"), ("[9,5]", "increasing order")):
+        with pytest.raises(ConfigError, match=rf"evaluate_at_env_steps \[.*{message}"):
+            load_config(EvolveConfig, None, [f"grpo.evaluate_at_env_steps={budgets}"])
+    with pytest.raises(ConfigError, match="evaluate_at_env_steps .*30 passes env_steps 20"):
+        load_config(EvolveConfig, None, ["ppo.env_steps=20", "ppo.evaluate_at_env_steps=[10,30]"])
 
 
 def test_gigpo_settings_reach_the_round_label_config():
@@ -206,3 +212,48 @@ def test_a_round_plays_the_rollout_tasks_or_a_seeded_subset_of_them():
     assert {tuple(grpo_round_tasks(other_seed, f"iter_1/grpo/round_{r}/rollouts")) for r in range(1, 9)} != draws
     config = load_config(EvolveConfig, None, [f"env={ENV}", "grpo.tasks_per_round=20"])
     assert grpo_round_tasks(config, "iter_1/grpo/round_1/rollouts") == [f"choice-{n}" for n in range(8)]
+
+
+def test_budgets_on_the_way_evaluate_the_round_that_reaches_each_and_name_its_rows_by_the_budget(
+        uninterrupted, overrides, tmp_path):
+    """grpo.evaluate_at_env_steps: the first round whose rollouts reach a budget has its policy evaluated
+    (``iter_1/grpo/round_r/eval_seen``) before the next round; the rounds are the uninterrupted run's (a run
+    with a budget is a prefix of one with more); the table, ``qevolve compare`` and the report name those
+    rows by their budget, with the steps actually spent, on the GRPO line. (The run without the field,
+    ``uninterrupted``, has exactly the stages it had before: the first test lists them.)"""
+    from qevolve.evaluation.compare import compare_runs, online_budgets
+    from qevolve.evaluation.report import env_step_points
+
+    reference, _, _ = uninterrupted
+    ref = stages_of(reference)
+    steps = [ref[f"iter_1/grpo/round_{r}/rollouts"]["metrics"]["env_steps"] for r in (1, 2, 3)]
+    budgets = [steps[0], steps[0] + 1]  # reached by round 1, then by round 2
+    config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={tmp_path}", "name=run", "grpo.rounds=3",
+                                              f"grpo.evaluate_at_env_steps=[{budgets[0]},{budgets[1]}]"])
+    messages: list[str] = []
+    table = run_evolve(config, log=messages.append)
+    run = tmp_path / "run"
+    ours = stages_of(run)
+
+    def round_stages(r: int) -> list[str]:
+        return [f"iter_1/grpo/round_{r}/{part}" for part in ("rollouts", "label", "policy")]
+
+    assert [name for name in ours if name.startswith("iter_1/grpo")] == [
+        *round_stages(1), "iter_1/grpo/round_1/eval_seen", *round_stages(2), "iter_1/grpo/round_2/eval_seen",
+        *round_stages(3), "iter_1/grpo/eval_seen"]  # round 3 is the last: evaluated once, as iter_1/grpo
+    for r in (1, 2):
+        assert ours[f"iter_1/grpo/round_{r}/eval_seen"]["inputs"]["policy"] == f"iter_1/grpo/round_{r}/policy/final"
+    for name in (n for r in (1, 2, 3) for n in round_stages(r)):
+        assert {k: ours[name][k] for k in ("inputs", "outputs", "metrics", "digests")} == \
+               {k: ref[name][k] for k in ("inputs", "outputs", "metrics", "digests")}, name
+    assert f"[iter_1/grpo/round_1] {steps[0]} env steps reach the budget {budgets[0]}: its policy is evaluated" \
+        in messages
+
+    want = {f"GRPO at {budgets[0]:,} env steps": steps[0], f"GRPO at {budgets[1]:,} env steps": steps[0] + steps[1],
+            "GRPO": sum(steps)}
+    assert {row["policy"]: row["env_steps"] for row in table if "GRPO" in row["policy"]} == want
+    rows = {row["method"]: row["env_steps"] for row in compare_runs([run], resamples=100)["rows"]}
+    assert {method: steps for method, steps in rows.items() if "GRPO" in method} == want
+    manifest = json.loads((run / "manifest.json").read_text())
+    points = env_step_points(manifest["stages"], online_budgets(manifest["config"]))["success_rate"]
+    assert {(p.method, p.env_steps) for p in points if p.series == "GRPO"} == set(want.items())

@@ -4,6 +4,7 @@ the checks of the registry (an unknown name, a name taken twice, ``--show-config
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -120,3 +121,71 @@ def test_show_config_lists_the_recipes_with_their_descriptions(rft_twice):
     for name in ("rft", "eto", "rerank", "grpo", "ppo"):
         assert f"\n#   {name}: {RECIPES[name].description}\n" in result.output
     assert "\n#   rft_twice: RFT, then RFT again from its policy.\n" in result.output
+
+
+RECIPE_MODULE = '''
+from qevolve.evolve.recipes import Run, Start, evaluate, register_recipe
+from qevolve.evolve.stages import rft_stage
+
+
+@register_recipe("rft_of_mine")
+def rft_of_mine(run: Run, start: Start) -> None:
+    """RFT from a module of the user's."""
+    prefix = f"{start.iteration}/rft_of_mine"
+    trained = run.stage(f"{prefix}/policy", rft_stage, {"buffer": start.buffer, "start": start.policy})
+    evaluate(run, prefix, run.path(trained.outputs["policy"]))
+'''
+
+
+@pytest.fixture
+def recipe_module(tmp_path, monkeypatch):
+    """A module ``my_recipes`` (in a folder put on sys.path) whose import registers the recipe ``rft_of_mine``."""
+    import sys
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "my_recipes.py").write_text(RECIPE_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    yield folder
+    RECIPES.pop("rft_of_mine", None)
+    sys.modules.pop("my_recipes", None)
+
+
+def test_a_recipe_of_ones_own_module_is_named_by_its_spec(recipe_module, overrides, tmp_path):
+    """``baselines: [my_recipes:rft_of_mine]`` imports the module, which registers the recipe: the run's stages
+    are ``iter_1/rft_of_mine/...`` and the spec is what the manifest records, so a resume imports it again."""
+    assert "rft_of_mine" not in RECIPES
+    config = load_config(EvolveConfig, None, [*overrides, "baselines=[my_recipes:rft_of_mine]",
+                                              f"runs_dir={tmp_path}", "name=run"])
+    assert config.baselines == ["my_recipes:rft_of_mine"] and "rft_of_mine" in RECIPES
+    table = run_evolve(config, log=lambda message: None)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["stages"] if "rft_of_mine" in s["name"]] == [
+        "iter_1/rft_of_mine/policy", "iter_1/rft_of_mine/eval_seen"]
+    assert manifest["config"]["baselines"] == ["my_recipes:rft_of_mine"]
+    assert [row["policy"] for row in table] == ["BC", "Q-Evolve iter 1", "rft_of_mine (iter 1)"]
+
+
+def test_the_command_line_imports_the_module_of_a_recipe_spec(recipe_module, tmp_path):
+    """`qevolve evolve` in a process of its own, with the module's folder on PYTHONPATH: the spec loads (and an
+    unknown module or name is a one-line error naming the entry)."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(recipe_module), src])}
+
+    def evolve(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "qevolve.cli", "evolve", "--show-config", *overrides],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+
+    shown = evolve("baselines=[rft, my_recipes:rft_of_mine]")
+    assert shown.returncode == 0, shown.stderr
+    assert "my_recipes:rft_of_mine" in shown.stdout
+    for entry, message in (("not_a_module:rft_of_mine", "cannot import module 'not_a_module'"),
+                           ("my_recipes:rft_of_yours", "module 'my_recipes' registers no recipe 'rft_of_yours'")):
+        failed = evolve(f"baselines=[{entry}]")
+        assert failed.returncode != 0
+        lines = [line for line in failed.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"recipe '{entry}'" in lines[0] and message in lines[0], failed.stderr

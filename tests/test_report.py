@@ -393,3 +393,56 @@ def test_success_against_env_steps_is_drawn_on_the_page_and_in_a_png(tmp_path):
     rft = drawn[("success_rate", "RFT (iter 1 buffer)", "seen")]
     k1 = drawn[("success_rate", "Q-Evolve iter 1", "seen")]
     assert bc[0] < k1[0] == rft[0] < k2[0] and rft[1] < k1[1]  # more env steps right, more success up
+
+
+def test_an_online_baselines_budgets_lie_on_its_line_in_the_env_steps_plot(tmp_path):
+    """GRPO evaluated at the budgets 100 and 250 on the way (grpo.evaluate_at_env_steps): its points are named
+    by the budget, sit at the steps of the rounds up to the one that reached it, and form the GRPO line with
+    its last policy, drawn between them in the PNG; the methods table has their rows."""
+    from PIL import Image
+
+    from qevolve.evaluation.compare import online_budgets
+    from qevolve.evaluation.report import ENV_STEPS_PNG, env_step_points
+
+    config = {"env": "alfworld", "iterations": 1, "baselines": ["grpo"],
+              "grpo": {"evaluate_at_env_steps": [100, 250]}}
+    run = RunDirectory(tmp_path / "budgets", config, seed=0)
+    quiet = {"log": lambda message: None}
+
+    def rollouts(steps):
+        return lambda workdir: ({}, {"env_steps": steps})
+
+    wins = {"bc": 2, "iter_1": 5, "iter_1/grpo/round_1": 3, "iter_1/grpo/round_3": 6, "iter_1/grpo": 8}
+    run.run_stage("bc/eval_seen", {}, _evaluation("bc", "seen", wins["bc"]), **quiet)
+    run.run_stage("iter_1/rollouts", {}, rollouts(40), **quiet)
+    run.run_stage("iter_1/eval_seen", {}, _evaluation("iter_1", "seen", wins["iter_1"]), **quiet)
+    for r in range(1, 5):
+        run.run_stage(f"iter_1/grpo/round_{r}/rollouts", {}, rollouts(120 if r == 1 else 70), **quiet)
+        if f"iter_1/grpo/round_{r}" in wins:  # round 1 reaches 100 steps (120), round 3 reaches 250 (260)
+            prefix = f"iter_1/grpo/round_{r}"
+            run.run_stage(f"{prefix}/eval_seen", {}, _evaluation(prefix, "seen", wins[prefix]), **quiet)
+    run.run_stage("iter_1/grpo/eval_seen", {}, _evaluation("iter_1/grpo", "seen", wins["iter_1/grpo"]), **quiet)
+    manifest = json.loads((run.root / "manifest.json").read_text())
+    assert online_budgets(manifest["config"]) == {"grpo": [100, 250]}
+    points = env_step_points(manifest["stages"], online_budgets(manifest["config"]))["success_rate"]
+    assert {(p.method, p.series): (p.env_steps, p.value) for p in points if not p.on_line} == {
+        ("GRPO at 100 env steps", "GRPO"): (120, 0.3), ("GRPO at 250 env steps", "GRPO"): (260, 0.6),
+        ("GRPO", "GRPO"): (330, 0.8)}
+
+    page = build_report(run.root).read_text()
+    methods = page[page.index("id='comparison-table'"):]
+    methods = methods[:methods.index("</table>")]
+    assert "GRPO at 100 env steps" in methods and "GRPO at 250 env steps" in methods
+    assert "after round" not in methods  # the rounds' own stages keep their round in the stage tables
+    plots = [svg for _, kind, svg in _svgs(page) if kind == "env-steps"]
+    assert len(plots) == 2
+    image = Image.open(run.root / ENV_STEPS_PNG).convert("RGB")
+    from qevolve.evaluation.report import write_env_steps_png
+
+    drawn = write_env_steps_png(env_step_points(manifest["stages"], {"grpo": [100, 250]}), ["seen"],
+                                tmp_path / "again.png")
+    assert Image.open(tmp_path / "again.png").convert("RGB").tobytes() == image.tobytes()
+    first, second = drawn[("success_rate", "GRPO at 100 env steps", "seen")], drawn[("success_rate",
+                                                                                     "GRPO at 250 env steps", "seen")]
+    middle = ((first[0] + second[0]) / 2, (first[1] + second[1]) / 2)
+    assert _near(image, *middle, "#1f77b4", radius=1)  # the GRPO line between its two budgets

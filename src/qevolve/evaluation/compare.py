@@ -19,6 +19,13 @@ the same rollouts, whose buffer or critic it learned from; GRPO and PPO the roll
 rounds (and of the iterations before k). Expert demonstrations are not the policy's interaction and
 are not counted, nor are evaluation episodes.
 
+GRPO and PPO may also be evaluated on the way (``evaluate_at_env_steps``): the policy of the first round
+that reaches each listed budget. Such a row is named by its budget, "GRPO at 720 env steps" (method
+prefix ``iter_1/grpo@720``), and shows the steps actually spent in its env steps column (a round is never
+cut, so they pass the budget by less than a round). Seeds pool it by the budget: their rounds differ in
+length, so the round that reaches 720 steps may be round 5 in one seed and round 6 in another
+(:func:`evaluated_methods`).
+
 Several runs are seeds of one protocol (checked: the same baseline splits and episodes in every
 run), summarised per method and split by :func:`seed_summary`: each seed's value, their mean with a
 two-level bootstrap interval (seeds, then goals within each seed), the paired difference to the
@@ -41,7 +48,8 @@ from qevolve.evaluation.stats import (IQM_MIN_SEEDS, draw_seeds, improvement_pro
                                       percentile_interval, seed_mean, two_level_means)
 
 __all__ = ["paired_bootstrap", "load_run_evaluations", "compare_runs", "seed_summary", "check_one_protocol",
-           "render_markdown", "method_name", "results_stem", "policy_env_steps"]
+           "render_markdown", "method_name", "results_stem", "policy_env_steps", "online_budgets",
+           "evaluated_methods", "budget_round"]
 
 # What the diagnosis of a run reads from its manifest: (stage suffix, metric) pairs, where present.
 # (The label stage's *_won/*_lost split by Episode.won since 2026-12-07; before, by a final score > 0.)
@@ -76,7 +84,7 @@ def paired_bootstrap(method: np.ndarray, baseline: np.ndarray, resamples: int = 
 @dataclass
 class Evaluation:
     run: str
-    prefix: str
+    prefix: str  # the method's: the evaluated prefix, or the budget it stands for (evaluated_methods)
     split: str
     outcomes: dict[str, tuple[float, float]]  # episode id -> (won, score)
     metrics: dict[str, Any]
@@ -89,8 +97,10 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
     if not manifest_path.is_file():
         raise ValueError(f"{run_dir}: not a run directory (no manifest.json)")
     manifest = _read_json(manifest_path)
+    stages = manifest.get("stages", [])
+    methods = evaluated_methods(stages, online_budgets(manifest.get("config")))
     evaluations = []
-    for stage in manifest.get("stages", []):
+    for stage in stages:
         prefix, _, leaf = stage["name"].rpartition("/")
         if not leaf.startswith("eval_"):
             continue
@@ -101,8 +111,9 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
                              f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
         metrics = stage.get("metrics", {})
         outcomes, failed = _outcomes(folder)
-        evaluations.append(Evaluation(run_dir.name, prefix, leaf[len("eval_"):], outcomes, metrics,
-                                      int(metrics.get("failed_episodes", failed))))
+        for method in methods.get(prefix, [prefix]):  # a round's policy: the budgets it stands for
+            evaluations.append(Evaluation(run_dir.name, method, leaf[len("eval_"):], outcomes, metrics,
+                                          int(metrics.get("failed_episodes", failed))))
     return evaluations, manifest
 
 
@@ -441,6 +452,77 @@ def _render_seeds(result: dict[str, Any], name: str) -> list[str]:
 #: the baselines that learn from rollouts of their own, round by round (``iter_k/NAME/round_r/rollouts``)
 ONLINE_BASELINES = ("grpo", "ppo")
 
+#: ``iter_k/NAME/round_r``: the policy after round r of an online baseline, evaluated on the way
+ROUND_PREFIX = re.compile(r"iter_(\d+)/([^/@]+)/round_(\d+)")
+#: ``iter_k/NAME@B``: the online baseline's policy at the budget of B env steps of its own rounds (the first
+#: round whose rollouts reach B); the name under which seeds pool it, whichever round that was in each seed
+BUDGET_PREFIX = re.compile(r"iter_(\d+)/([^/@]+)@(\d+)")
+
+
+def online_budgets(config: dict[str, Any] | None) -> dict[str, list[int]]:
+    """Online baseline (section name) -> its ``evaluate_at_env_steps``, from a run's recorded config."""
+    return {name: [int(budget) for budget in section["evaluate_at_env_steps"]]
+            for name, section in (config or {}).items()
+            if isinstance(section, dict) and section.get("evaluate_at_env_steps")}
+
+
+def _round_steps(metrics: dict[str, dict[str, Any]], k: int, name: str) -> list[Any]:
+    """The env steps of the rounds of ``iter_k/<name>`` in round order, as their rollout stages record them."""
+    rounds = {}
+    for stage in metrics:
+        match = re.fullmatch(rf"iter_{k}/{re.escape(name)}/round_(\d+)/rollouts", stage)
+        if match:
+            rounds[int(match.group(1))] = metrics[stage].get("env_steps")
+    return [rounds[r] for r in sorted(rounds)]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def budget_round(stages: list[dict[str, Any]], k: int, name: str, budget: int) -> int | None:
+    """The first round of ``iter_k/<name>`` whose rollouts, with the earlier rounds', reach ``budget`` env
+    steps (the round whose policy the loop evaluates for it); None when no recorded round does."""
+    spent = 0
+    for r, steps in enumerate(_round_steps({s["name"]: s.get("metrics", {}) for s in stages}, k, name), start=1):
+        if not _is_count(steps):
+            return None
+        spent += steps
+        if spent >= budget:
+            return r
+    return None
+
+
+def evaluated_methods(stages: list[dict[str, Any]], budgets: dict[str, list[int]]) -> dict[str, list[str]]:
+    """Evaluated prefix (``<prefix>/eval_<split>`` in ``stages``) -> the methods its policy stands for in the
+    tables, each named by a prefix: itself, except for the online baselines' policies evaluated on the way.
+
+    With ``budgets`` (:func:`online_budgets`), the policy of round r of ``iter_k/NAME`` stands for every
+    budget B whose first reaching round is r, as ``iter_k/NAME@B`` (labelled "GRPO at B env steps"), so
+    that seeds, whose rounds reach B after different numbers of steps, pool the same budget; the last
+    round's policy ``iter_k/NAME`` stands for itself and for a budget only its round reached (the loop does
+    not evaluate it twice). Without budgets a round's policy stands for itself (``iter_k/NAME/round_r``,
+    "GRPO after round r")."""
+    evaluated = list(dict.fromkeys(s["name"].rpartition("/")[0] for s in stages
+                                   if s["name"].rpartition("/")[2].startswith("eval_")))
+    methods: dict[str, list[str]] = {prefix: [prefix] for prefix in evaluated}
+    metrics = {s["name"]: s.get("metrics", {}) for s in stages}
+    for name, listed in budgets.items():
+        iterations = sorted({int(m.group(1)) for stage in metrics
+                             if (m := re.fullmatch(rf"iter_(\d+)/{re.escape(name)}/round_\d+/rollouts", stage))})
+        for k in iterations:
+            last = len(_round_steps(metrics, k, name))
+            for budget in listed:
+                r = budget_round(stages, k, name, budget)
+                if r is None:
+                    continue
+                key, round_prefix, final = f"iter_{k}/{name}@{budget}", f"iter_{k}/{name}/round_{r}", f"iter_{k}/{name}"
+                if round_prefix in methods:
+                    methods[round_prefix] = [m for m in methods[round_prefix] if m != round_prefix] + [key]
+                elif r == last and final in methods:
+                    methods[final].append(key)
+    return methods
+
 
 def policy_env_steps(stages: list[dict[str, Any]], prefix: str) -> int | None:
     """Environment steps of the interaction that produced the policy evaluated by ``<prefix>/eval_<split>``,
@@ -448,34 +530,53 @@ def policy_env_steps(stages: list[dict[str, Any]], prefix: str) -> int | None:
     evaluation, or a manifest without the metric).
 
     ``bc`` 0 (expert demonstrations are not the policy's interaction); ``iter_k`` the rollouts of
-    iterations 1..k (``iter_j/rollouts``); ``iter_k/grpo`` and ``iter_k/ppo`` (the online baselines) the
-    rollouts of iterations 1..k-1 and of every one of their rounds (``iter_k/grpo/round_r/rollouts``); any
-    other ``iter_k/NAME`` (RFT, ETO, re-ranking, a variant) the rollouts of iterations 1..k, whose buffer and
-    critic it learned from."""
+    iterations 1..k (``iter_j/rollouts``); ``iter_k/grpo`` and ``iter_k/ppo`` (the online baselines, and any
+    recipe with rounds ``iter_k/NAME/round_r/rollouts``) the rollouts of iterations 1..k-1 and of every one
+    of their rounds; ``iter_k/NAME/round_r`` (a round's policy evaluated on the way) those of iterations
+    1..k-1 and of rounds 1..r; ``iter_k/NAME@B`` (the policy at a budget, :func:`evaluated_methods`) those of
+    its round (:func:`budget_round`), the steps actually spent, not B; any other ``iter_k/NAME`` (RFT, ETO,
+    re-ranking, a variant) the rollouts of iterations 1..k, whose buffer and critic it learned from."""
     if prefix == "bc":
         return 0
-    match = re.fullmatch(r"iter_(\d+)(?:/(.+))?", prefix)
-    if match is None:
-        return None
-    k, tail = int(match.group(1)), match.group(2)
     metrics = {stage["name"]: stage.get("metrics", {}) for stage in stages}
-    online = tail in ONLINE_BASELINES
-    names = [f"iter_{j}/rollouts" for j in range(1, k if online else k + 1)]
-    if online:
-        rounds = [name for name in metrics if re.fullmatch(rf"iter_{k}/{tail}/round_\d+/rollouts", name)]
-        if not rounds:
+    online = None  # (k, name, the number of its rounds counted; None: all)
+    if (match := BUDGET_PREFIX.fullmatch(prefix)) is not None:
+        k, name = int(match.group(1)), match.group(2)
+        r = budget_round(stages, k, name, int(match.group(3)))
+        if r is None:
             return None
-        names += rounds
-    steps = [metrics.get(name, {}).get("env_steps") for name in names]
-    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in steps):
+        online = (k, name, r)
+    elif (match := ROUND_PREFIX.fullmatch(prefix)) is not None:
+        online = (int(match.group(1)), match.group(2), int(match.group(3)))
+    elif (match := re.fullmatch(r"iter_(\d+)(?:/(.+))?", prefix)) is None:
+        return None
+    else:
+        k, tail = int(match.group(1)), match.group(2)
+        if tail is not None and (tail in ONLINE_BASELINES or _round_steps(metrics, k, tail)):
+            online = (k, tail, None)
+    if online is None:
+        steps = [metrics.get(f"iter_{j}/rollouts", {}).get("env_steps") for j in range(1, k + 1)]
+    else:
+        k, name, count = online
+        rounds = _round_steps(metrics, k, name)
+        if not rounds or (count is not None and count > len(rounds)):
+            return None
+        steps = [metrics.get(f"iter_{j}/rollouts", {}).get("env_steps") for j in range(1, k)]
+        steps += rounds[:count]
+    if not all(_is_count(value) for value in steps):
         return None
     return int(sum(steps))
 
 
 def method_label(prefix: str) -> str:
-    """The table name of the policy evaluated by stages ``<prefix>/eval_<split>``."""
+    """The table name of the policy evaluated by stages ``<prefix>/eval_<split>`` (or of a budget's policy,
+    ``iter_k/NAME@B``, :func:`evaluated_methods`)."""
     if prefix == "bc":
         return "BC"
+    if (match := BUDGET_PREFIX.fullmatch(prefix)) is not None:
+        return f"{method_label(f'iter_{match.group(1)}/{match.group(2)}')} at {int(match.group(3)):,} env steps"
+    if (match := ROUND_PREFIX.fullmatch(prefix)) is not None:
+        return f"{method_label(f'iter_{match.group(1)}/{match.group(2)}')} after round {match.group(3)}"
     head, _, tail = prefix.partition("/")
     k = head.split("_")[1]
     if not tail:
@@ -487,16 +588,20 @@ def method_label(prefix: str) -> str:
             "ppo": "PPO" if k == "1" else f"PPO (from iter {k})"}.get(tail, f"{tail} (iter {k})")
 
 
-def success_table(stages: list[dict[str, Any]], splits: list[str]) -> list[dict[str, Any]]:
+def success_table(stages: list[dict[str, Any]], splits: list[str],
+                  budgets: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
     """Rows ``{"policy": "BC" | "Q-Evolve iter k" | ..., "env_steps": n, <split>: success rate}`` from the
-    manifest (``env_steps``: :func:`policy_env_steps`)."""
+    manifest (``env_steps``: :func:`policy_env_steps`); the online baselines' policies evaluated on the way
+    as the budgets (:func:`online_budgets` of the run's config) they stand for (:func:`evaluated_methods`)."""
+    methods = evaluated_methods(stages, budgets or {})
     rows: dict[str, dict[str, Any]] = {}
     for stage in stages:
         name = stage["name"]
         prefix, _, leaf = name.rpartition("/")
         if not leaf.startswith("eval_"):
             continue
-        label = method_label(prefix)
-        row = rows.setdefault(label, {"policy": label, "env_steps": policy_env_steps(stages, prefix)})
-        row[leaf[len("eval_"):]] = stage["metrics"].get("success_rate")
+        for method in methods.get(prefix, [prefix]):
+            label = method_label(method)
+            row = rows.setdefault(label, {"policy": label, "env_steps": policy_env_steps(stages, method)})
+            row[leaf[len("eval_"):]] = stage["metrics"].get("success_rate")
     return list(rows.values())

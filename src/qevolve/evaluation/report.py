@@ -413,11 +413,15 @@ def collect_series(stages: list[dict[str, Any]]) -> dict[str, dict[str, list[tup
 
 
 def collect_points(stages: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, tuple[int, float]]]]:
-    """Baselines and variants: metric -> method prefix (``iter_1/rft``) -> split -> (iteration, value)."""
+    """Baselines and variants: metric -> method prefix (``iter_1/rft``) -> split -> (iteration, value). The
+    online baselines' policies evaluated on the way (``iter_1/grpo/round_r``) are left to the env-steps plot,
+    where they lie on their line; here each baseline is its last policy."""
+    from qevolve.evaluation.compare import ROUND_PREFIX
+
     points: dict[str, dict[str, dict[str, tuple[int, float]]]] = {}
     for stage in stages:
         found = _split_of(stage["name"])
-        if found is None or _qevolve_iteration(found[0]) is not None:
+        if found is None or _qevolve_iteration(found[0]) is not None or ROUND_PREFIX.fullmatch(found[0]):
             continue
         iteration = _prefix_iteration(found[0])
         if iteration is None:
@@ -468,27 +472,46 @@ class EnvStepPoint(NamedTuple):
     split: str
     env_steps: int
     value: float
+    series: str | None = None  # an online baseline's line (its policies on the way and its last), e.g. "GRPO"
 
 
-def env_step_points(stages: list[dict[str, Any]]) -> dict[str, list[EnvStepPoint]]:
+def _online_series(prefix: str) -> str | None:
+    """The online baseline whose line the policy of ``prefix`` lies on (``iter_k/NAME``, one of its rounds
+    ``iter_k/NAME/round_r`` or budgets ``iter_k/NAME@B``), by its table name; None for any other policy."""
+    from qevolve.evaluation.compare import BUDGET_PREFIX, ONLINE_BASELINES, ROUND_PREFIX, method_name
+
+    match = BUDGET_PREFIX.fullmatch(prefix) or ROUND_PREFIX.fullmatch(prefix)
+    if match is not None:
+        return method_name(f"iter_{match.group(1)}/{match.group(2)}")
+    match = re.fullmatch(r"iter_\d+/([^/]+)", prefix)
+    return method_name(prefix) if match is not None and match.group(1) in ONLINE_BASELINES else None
+
+
+def env_step_points(stages: list[dict[str, Any]],
+                    budgets: dict[str, list[int]] | None = None) -> dict[str, list[EnvStepPoint]]:
     """metric -> every evaluated policy whose env steps are known: its steps (the rollouts of the interaction
-    that produced it, as ``qevolve compare`` counts them) and its value on each evaluation split."""
-    from qevolve.evaluation.compare import method_name, policy_env_steps
+    that produced it, as ``qevolve compare`` counts them) and its value on each evaluation split. An online
+    baseline's policies evaluated on the way are named by the ``budgets`` they stand for (as ``qevolve
+    compare`` names them) and lie on its line with its last policy."""
+    from qevolve.evaluation.compare import evaluated_methods, method_name, policy_env_steps
 
+    methods = evaluated_methods(stages, budgets or {})
     points: dict[str, list[EnvStepPoint]] = {}
     for stage in stages:
         found = _split_of(stage["name"])
         if found is None:
             continue
-        prefix, split = found
-        steps = policy_env_steps(stages, prefix)
-        if steps is None:
-            continue
-        for metric in ENV_STEP_METRICS:
-            value = stage["metrics"].get(metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                points.setdefault(metric, []).append(EnvStepPoint(
-                    method_name(prefix), _qevolve_iteration(prefix) is not None, split, steps, float(value)))
+        evaluated, split = found
+        for prefix in methods.get(evaluated, [evaluated]):
+            steps = policy_env_steps(stages, prefix)
+            if steps is None:
+                continue
+            for metric in ENV_STEP_METRICS:
+                value = stage["metrics"].get(metric)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    points.setdefault(metric, []).append(EnvStepPoint(
+                        method_name(prefix), _qevolve_iteration(prefix) is not None, split, steps, float(value),
+                        _online_series(prefix)))
     return points
 
 
@@ -496,9 +519,19 @@ def _env_step_styles(points: dict[str, list[EnvStepPoint]], splits: list[str]) -
     """Colours by split and marker shapes by method (off the line), the same on the page and in the PNG."""
     all_splits = list(dict.fromkeys([*splits, *(p.split for pts in points.values() for p in pts)]))
     colours = {split: SPLIT_COLOURS[i % len(SPLIT_COLOURS)] for i, split in enumerate(all_splits)}
-    methods = list(dict.fromkeys(p.method for pts in points.values() for p in pts if not p.on_line))
+    # one shape per method off the Q-Evolve line; an online baseline's points share its line's shape
+    methods = list(dict.fromkeys(p.series or p.method for pts in points.values() for p in pts if not p.on_line))
     shapes = {method: MARKER_SHAPES[i % len(MARKER_SHAPES)] for i, method in enumerate(methods)}
     return colours, shapes
+
+
+def _series_lines(pts: list[EnvStepPoint], split: str) -> dict[str, list[tuple[float, float]]]:
+    """Online baseline -> its points on ``split`` by env steps (a budget its last round reached too is one point)."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for p in pts:
+        if p.series is not None and p.split == split:
+            lines.setdefault(p.series, []).append((float(p.env_steps), p.value))
+    return {series: sorted(set(points)) for series, points in lines.items()}
 
 
 def env_steps_plots(points: dict[str, list[EnvStepPoint]], splits: list[str]) -> str:
@@ -512,7 +545,9 @@ def env_steps_plots(points: dict[str, list[EnvStepPoint]], splits: list[str]) ->
         lines = [Line(f"Q-Evolve · {split}", colour,
                       sorted((float(p.env_steps), p.value) for p in pts if p.on_line and p.split == split), dots=True)
                  for split, colour in colours.items() if any(p.on_line and p.split == split for p in pts)]
-        markers = [Marker(p.method, colours[p.split], shapes[p.method], float(p.env_steps), p.value,
+        lines += [Line(f"{series} · {split}", colour, line) for split, colour in colours.items()
+                  for series, line in _series_lines(pts, split).items() if len(line) > 1]
+        markers = [Marker(p.method, colours[p.split], shapes[p.series or p.method], float(p.env_steps), p.value,
                           f"{p.method} · {p.split}: {fmt_number(p.value)} at {p.env_steps:,} env steps")
                    for p in pts if not p.on_line]
         plots.append(line_chart(f"{METRIC_TITLES[metric]} against env steps", lines, markers,
@@ -580,9 +615,12 @@ def write_env_steps_png(points: dict[str, list[EnvStepPoint]], splits: list[str]
             for x, y, method in line:
                 _glyph(draw, "circle", sx(x), sy(y), 4, colour)
                 drawn[(metric, method, split)] = (sx(x), sy(y))
+            for series_line in _series_lines(pts, split).values():  # thinner than the Q-Evolve line
+                if len(series_line) > 1:
+                    draw.line([(sx(x), sy(y)) for x, y in series_line], fill=colour, width=1)
         for p in pts:
             if not p.on_line:
-                _glyph(draw, shapes[p.method], sx(p.env_steps), sy(p.value), 5, colours[p.split])
+                _glyph(draw, shapes[p.series or p.method], sx(p.env_steps), sy(p.value), 5, colours[p.split])
                 drawn[(metric, p.method, p.split)] = (sx(p.env_steps), sy(p.value))
     entries = [(f"Q-Evolve · {split}", colour, "circle") for split, colour in colours.items()] + \
         [(method, "#777777", shape) for method, shape in shapes.items()]
@@ -606,12 +644,19 @@ class Comparison(NamedTuple):
     note: str
 
 
-def compare_section_data(run_root: Path, stages: list[dict[str, Any]], resamples: int, seed: int) -> Comparison:
+def compare_section_data(run_root: Path, stages: list[dict[str, Any]], resamples: int, seed: int,
+                         budgets: dict[str, list[int]] | None = None) -> Comparison:
     """The rows of ``qevolve compare`` for this run; when its trajectories cannot be read, the manifest's
-    metrics without intervals, and a note saying why."""
-    from qevolve.evaluation.compare import compare_runs, method_name, policy_env_steps
+    metrics without intervals, and a note saying why. ``budgets``: those of the run's online baselines
+    (:func:`qevolve.evaluation.compare.online_budgets`), which name their policies evaluated on the way."""
+    from qevolve.evaluation.compare import compare_runs, evaluated_methods, method_name, policy_env_steps
 
-    evals = [_split_of(s["name"]) + (s,) for s in stages if _split_of(s["name"])]
+    methods_of = evaluated_methods(stages, budgets or {})
+    evals = []  # (method prefix, split, stage): a round's policy once per budget it stands for
+    for stage in stages:
+        found = _split_of(stage["name"])
+        if found is not None:
+            evals += [(method, found[1], stage) for method in methods_of.get(found[0], [found[0]])]
     prefixes = _method_order([prefix for prefix, _, _ in evals])
     splits = list(dict.fromkeys(split for _, split, _ in evals))
     methods = [method_name(prefix) for prefix in prefixes]
@@ -914,15 +959,18 @@ def build_report(run_root: str | Path, max_episodes: int = 200, max_eval_episode
 
     ``max_episodes``: episodes shown per labelled buffer; ``max_eval_episodes``: per evaluation stage;
     ``resamples`` and ``seed``: the paired bootstrap of the method comparison (those of ``qevolve compare``)."""
+    from qevolve.evaluation.compare import online_budgets
+
     run_root = Path(run_root)
     manifest_path = run_root / "manifest.json"
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{run_root}: no manifest.json (not a qevolve run directory)")
     manifest = json.loads(manifest_path.read_text())
     stages = manifest.get("stages", [])
-    comparison = compare_section_data(run_root, stages, resamples, seed)
+    budgets = online_budgets(manifest.get("config"))
+    comparison = compare_section_data(run_root, stages, resamples, seed, budgets)
     iterations = iteration_plots(stages, comparison.splits)
-    step_points = env_step_points(stages)
+    step_points = env_step_points(stages, budgets)
     env_steps = env_steps_plots(step_points, comparison.splits)
     if env_steps:
         write_env_steps_png(step_points, comparison.splits, run_root / ENV_STEPS_PNG)
@@ -936,7 +984,9 @@ def build_report(run_root: str | Path, max_episodes: int = 200, max_eval_episode
         ("env-steps", "Success against env steps",
          "<p class='note'>Each evaluated policy at the environment steps of its own interaction: the rollouts "
          "that produced it (BC 0; Q-Evolve iteration k the rollouts of iterations 1 to k; a baseline or variant "
-         "of iteration 1 that iteration's rollouts; an online method all of its rounds'). Expert demonstrations "
+         "of iteration 1 that iteration's rollouts; an online method all of its rounds', and its policies "
+         "evaluated on the way, at env-step budgets, those of the rounds up to theirs: they lie on its line). "
+         "Expert demonstrations "
          f"and evaluation episodes are not counted. The same plots as an image: <code>{ENV_STEPS_PNG}</code> "
          "beside this page.</p>"
          f"<div class='plots'>{env_steps}</div>" if env_steps else "<p>no evaluation with known env steps yet</p>"),

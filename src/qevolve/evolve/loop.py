@@ -26,7 +26,7 @@ from pydantic import field_validator
 from qevolve.allocator import release_free_memory
 from qevolve.buffer.metrics import FailedEpisodesError
 from qevolve.config import strip_derived
-from qevolve.evaluation.compare import success_table
+from qevolve.evaluation.compare import online_budgets, success_table
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
 from qevolve.evolve.run_dir import RunDirectory
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
@@ -351,6 +351,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         loggers.close()
         directory.close()
 
-    table = success_table(directory.manifest["stages"], config.eval.splits)
+    table = success_table(directory.manifest["stages"], config.eval.splits,
+                          online_budgets(directory.manifest["config"]))
     (root / "results.json").write_text(json.dumps(table, indent=1))
     return table

@@ -38,7 +38,9 @@ same fixed states for every policy and record its format-error rate, the share o
 that broke the turn format is named before its evaluation plays a single episode.
 
 A recipe of your own is a function ``recipe(run, start)`` registered by name; ``baselines: [NAME]``
-runs it::
+runs it where the module that registers it was imported (a script calling ``run_evolve``), and
+``baselines: [package.module:NAME]`` imports the module first, so ``qevolve evolve`` runs it too (the
+module on PYTHONPATH or installed)::
 
     from qevolve.evolve.recipes import Run, Start, evaluate, probe, register_recipe
     from qevolve.evolve.stages import rft_stage
@@ -152,9 +154,35 @@ def register_recipe(name: str, *, reads_critic: bool = False) -> Callable[[Recip
 
 
 def registered_recipe(name: str) -> RegisteredRecipe:
-    """The recipe ``name``; a one-line error listing the registered ones when there is none."""
+    """The recipe ``name``, or of a spec ``"package.module:name"``: the recipe ``name`` that importing
+    ``package.module`` registers (how ``baselines`` names a recipe of one's own from the command line,
+    which imports no module of the user's otherwise; its stages are ``iter_1/name/...`` as the recipe
+    names them). A one-line error naming ``name`` when there is none."""
+    if ":" in name:
+        return _recipe_of_spec(name)
     if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r} (registered recipes: {', '.join(RECIPES) or 'none'})")
+        raise ValueError(f"unknown recipe {name!r} (registered recipes: {', '.join(RECIPES) or 'none'}); a recipe "
+                         "that a module of yours registers: 'package.module:name'")
+    return RECIPES[name]
+
+
+def _recipe_of_spec(spec: str) -> RegisteredRecipe:
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name or ":" in name:
+        raise ValueError(f"recipe {spec!r}: expected 'package.module:name'")
+    try:
+        importlib.import_module(module_name)  # registers its recipes (register_recipe)
+    except ModuleNotFoundError as err:
+        # the module itself is not there (a module it imports that is missing keeps its traceback)
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise ValueError(f"recipe {spec!r}: cannot import module {module_name!r} ({err}); run from the folder "
+                             "that holds it, put that folder on PYTHONPATH or install its package") from None
+        raise
+    if name not in RECIPES:
+        raise ValueError(f"recipe {spec!r}: module {module_name!r} registers no recipe {name!r} (with "
+                         f"register_recipe); registered recipes: {', '.join(RECIPES)}")
     return RECIPES[name]
 
 
@@ -316,12 +344,16 @@ def online_rounds(run: Run, start: Start, name: str, settings: OnlineRoundSettin
     acting policy, KL to the BC policy), which gives the next round's policy. Rounds run while
     ``settings.rounds`` allows and fewer than ``settings.env_steps`` environment steps were spent (a round
     is never cut: the budget is checked before each one, on the steps the earlier rounds' manifests
-    record, so a resumed run stops where an uninterrupted one does)."""
+    record, so a resumed run stops where an uninterrupted one does).
+
+    The first round whose steps, with the earlier rounds', reach a budget of
+    ``settings.evaluate_at_env_steps`` has its policy probed and evaluated (``<iter>/<name>/round_r/probe``,
+    ``.../eval_<split>``) before the next round starts; not the last round, whose policy the caller
+    evaluates as ``<iter>/<name>``."""
     it = start.iteration
     policy, spent, r = start.policy, 0, 0
-    while settings.rounds is None or r < settings.rounds:
-        if settings.env_steps is not None and spent >= settings.env_steps:
-            break
+    pending = list(settings.evaluate_at_env_steps)
+    while True:  # rounds >= 1 and env_steps >= 1: the first round always runs
         r += 1
         prefix = f"{it}/{name}/round_{r}"
         rollouts = run.stage(f"{prefix}/rollouts", online_rollouts_stage, {"policy": policy}, settings=settings,
@@ -332,12 +364,26 @@ def online_rounds(run: Run, start: Start, name: str, settings: OnlineRoundSettin
         updated = run.stage(f"{prefix}/policy", policy_stage, {"labelled": labelled, "start": policy},
                             policy=settings.policy, evaluated_as=f"{it}/{name}")
         policy = run.path(updated.outputs["policy"])
-        if steps == 0 and settings.rounds is None:  # nothing spent: the budget alone would never stop it
+        stalled = steps == 0 and settings.rounds is None  # nothing spent: the budget alone would never stop it
+        last = stalled or (settings.rounds is not None and r >= settings.rounds) or \
+            (settings.env_steps is not None and spent >= settings.env_steps)
+        reached = [budget for budget in pending if budget <= spent]
+        pending = [budget for budget in pending if budget > spent]
+        if reached and not last:
+            run.log(f"[{prefix}] {spent} env steps reach the budget{'s' if len(reached) > 1 else ''} "
+                    f"{', '.join(map(str, reached))}: its policy is evaluated")
+            probe(run, prefix, policy)
+            evaluate(run, prefix, policy)
+        if stalled:
             run.log(f"WARNING: [{prefix}] its rollouts took no environment step (every turn malformed?); "
                     f"{settings.method} stops here rather than spend rounds that the env_steps budget cannot count")
+        if last:
             break
     run.log(f"[{it}/{name}] {r} rounds, {spent} env steps"
             + (f" (budget {settings.env_steps})" if settings.env_steps is not None else ""))
+    if pending:
+        run.log(f"[{it}/{name}] the rounds stopped before the budget{'s' if len(pending) > 1 else ''} "
+                f"{', '.join(map(str, pending))} of evaluate_at_env_steps: no evaluation there")
     return policy
 
 

@@ -120,6 +120,13 @@ class OnlineRoundSettings(StageConfig):
     temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the rounds' rollouts (the other "
                                "decoding settings are rollout.agent's)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass of the rounds' rollouts")
+    evaluate_at_env_steps: list[int] = Field(
+        default_factory=list, description="env-step budgets (increasing, each at most env_steps) at which the "
+        "policy is evaluated on the way: after the first round whose rollouts, counted from round 1, reach a "
+        "budget, that round's policy is probed and evaluated as stages <iter>/<name>/round_r/probe and "
+        "<iter>/<name>/round_r/eval_<split> (unless it is the last round, whose policy <iter>/<name>/eval_<split> "
+        "evaluates anyway); with a constant learning rate a run is a prefix of a run with a larger budget, so one "
+        "run gives the points of several budgets. [] : only the last round's policy is evaluated")
 
     @model_validator(mode="before")
     @classmethod
@@ -133,6 +140,14 @@ class OnlineRoundSettings(StageConfig):
     def _can_stop_and_update(self) -> "OnlineRoundSettings":
         if self.rounds is None and self.env_steps is None:
             raise ValueError("rounds and env_steps are both null: set one, or the rounds would never stop")
+        budgets = self.evaluate_at_env_steps
+        if any(budget < 1 for budget in budgets):
+            raise ValueError(f"evaluate_at_env_steps {budgets}: budgets are positive numbers of env steps")
+        if any(later <= earlier for earlier, later in zip(budgets, budgets[1:])):
+            raise ValueError(f"evaluate_at_env_steps {budgets}: list the budgets in increasing order, each once")
+        if self.env_steps is not None and budgets and budgets[-1] > self.env_steps:
+            raise ValueError(f"evaluate_at_env_steps {budgets}: {budgets[-1]} passes env_steps {self.env_steps}, "
+                             "where the rounds stop")
         if self.policy.objective.name in PAIR_OBJECTIVES:
             raise ValueError(f"policy.objective.name {self.policy.objective.name!r}: a {self.method} round updates "
                              "on its labelled turns; expected bppo or awr")
@@ -331,7 +346,8 @@ class EvolveSettings(StageConfig):
         "BC on the buffer's won episodes, expert and self), eto (DPO on trajectory pairs of the same task), "
         "rerank (no policy update: the critic picks among sampled turns); and from the same starting policy but "
         "with rollouts of its own: grpo (online RL with group advantages, see the grpo section) and ppo (online "
-        "PPO with a value head fitted online, see the ppo section)")
+        "PPO with a value head fitted online, see the ppo section); and 'package.module:name', the recipe name "
+        "that importing package.module registers (a recipe of your own, from the command line)")
     rerank: RerankSettings = Field(default_factory=RerankSettings, description="the rerank baseline")
     probe: ProbeSettings = Field(default_factory=ProbeSettings, description="the format probe of each trained "
                                  "policy before its evaluation (generated with eval.agent's settings)")
