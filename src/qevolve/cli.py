@@ -157,7 +157,7 @@ def root(version: bool = typer.Option(False, "--version", is_eager=True, callbac
 
 @data_app.command("install")
 def data_install(
-    names: list[str] = typer.Argument(..., help="alfworld, webshop, sciworld or all"),
+    names: list[str] = typer.Argument(..., help="environments whose data files to install (alfworld, webshop, sciworld, or one of your own that declares data_files, as package.module:name) or all"),
     source: Optional[Path] = typer.Option(None, "--from", help="folder with the raw files (default: ../shared/data "
                                           "beside this checkout if present, else the upstream downloads)"),
     force: bool = typer.Option(False, help="reinstall even if a complete install exists"),
