@@ -88,6 +88,17 @@ def tiny_config(runs_dir: Path, experts: Path, model_dir: Path, *extra: str) -> 
     return load_config(EvolveConfig, None, overrides)
 
 
+def children() -> dict[int, str]:
+    """The processes this test process started, still running: pid -> command line."""
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            out[child.pid] = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def stages(root: Path) -> dict[str, dict]:
     return {stage["name"]: stage for stage in json.loads((root / "manifest.json").read_text())["stages"]}
 
@@ -169,12 +180,14 @@ def test_a_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(expert
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     config = tiny_config(tmp_path / "runs", experts, tiny_model_dir, "iterations=0", "baselines=[]",
                          "distributed.nproc_per_node=2")
+    # (processes of this test session that outlive their fixtures, e.g. multiprocessing's resource tracker)
+    before = children()
     with pytest.raises(StageFailedError) as failed:
         run_evolve(config, log=lambda line: None)
     assert marker.exists()
     message = str(failed.value)
     assert message == "stage bc: rank 1 of 2 failed: killed by SIGKILL (exit code -9)"
-    assert psutil.Process().children(recursive=True) == []
+    assert children() == before
     root = tmp_path / "runs" / "run"
     assert (root / ".bc.partial" / "checkpoints").is_dir()  # the stage's checkpoints stay for --resume
     messages: list[str] = []
@@ -183,4 +196,4 @@ def test_a_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(expert
                for line in messages), messages
     assert list(stages(root)) == ["bc", "bc/eval_seen"]
     assert stages(root)["bc"]["metrics"]["steps"] == 2
-    assert psutil.Process().children(recursive=True) == []
+    assert children() == before

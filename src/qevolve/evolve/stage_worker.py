@@ -189,7 +189,7 @@ def launch_main(nproc: int, request_path: str) -> int:
     try:
         run(args)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = first_failure(error.failures)
         if failure.exitcode < 0:
             reason = f"killed by {failure.signal_name()} (exit code {failure.exitcode})"
         else:
@@ -205,6 +205,16 @@ def launch_main(nproc: int, request_path: str) -> int:
                                               "reason": reason})
         return 1
     return 0
+
+
+def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank whose failure ended the stage, and its ``ProcessFailure``: the earliest (the launcher's own
+    rule), except that the ranks the launcher itself stopped after it (SIGTERM) come last, since their
+    timestamps, in whole seconds, can tie with the cause's."""
+    stopped = -int(signal.SIGTERM)
+    order = list(failures)
+    rank = min(order, key=lambda r: (failures[r].exitcode == stopped, failures[r].timestamp, order.index(r)))
+    return rank, failures[rank]
 
 
 # ------------------------------------------------------------------------------------------ a rank
