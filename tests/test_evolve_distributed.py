@@ -71,8 +71,8 @@ def experts(tmp_path_factory) -> Path:
 
 
 def tiny_config(runs_dir: Path, experts: Path, model_dir: Path, *extra: str) -> EvolveConfig:
-    # 2 micro-batches a step: with 2 processes each rank takes one
-    train = ("max_steps=2", "grad_accum_steps=2", "tokens_per_batch=1024", "tensorboard=false", "save_every=1")
+    # 2 micro-batches a step (about one sequence each): with 2 processes each rank takes one
+    train = ("max_steps=2", "grad_accum_steps=2", "tokens_per_batch=256", "tensorboard=false", "save_every=1")
     overrides = [
         f"env={ENV}", "name=run", f"runs_dir={runs_dir}", "iterations=1", "baselines=[rft]", "progress=false",
         "num_threads=1", "tensorboard=false", "seed=3",
@@ -132,6 +132,24 @@ def in_process(experts, tiny_model_dir, tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("in-process")
     run_evolve(tiny_config(runs, experts, tiny_model_dir), log=lambda line: None)
     return runs / "run"
+
+
+def test_the_processes_of_a_training_stage(experts, tiny_model_dir, tmp_path):
+    from qevolve.config import ConfigError
+    from qevolve.evolve.stages import bc_stage, critic_stage, eto_stage, policy_stage, rft_stage, stage_processes
+
+    config = tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=4")
+    assert config.distributed.processes() == 4
+    for stage in (bc_stage, critic_stage, rft_stage):
+        assert stage_processes(stage, config, {}, 4) == 4
+    assert stage_processes(policy_stage, config, {"policy": config.policy}, 4) == 4
+    # DPO trains in one process: the eto baseline, or a policy update that names it
+    assert stage_processes(eto_stage, config, {}, 4) == 1
+    assert stage_processes(policy_stage, config, {"policy": config.eto}, 4) == 1
+    if not torch.cuda.is_available():
+        assert tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=auto").distributed.processes() == 1
+    with pytest.raises(ConfigError, match="nproc_per_node"):
+        tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=0")
 
 
 def test_one_launched_process_records_what_the_evolve_process_does(in_process, experts, tiny_model_dir, tmp_path,

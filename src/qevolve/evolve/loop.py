@@ -31,12 +31,13 @@ from qevolve.allocator import release_free_memory
 from qevolve.buffer.metrics import FailedEpisodesError
 from qevolve.config import strip_derived
 from qevolve.evaluation.compare import success_table
+from qevolve.evolve import stage_worker
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
 from qevolve.evolve.run_dir import RunDirectory
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
-from qevolve.evolve import stage_worker
 from qevolve.evolve.stages import (
     StageContext, bc_data_config, evaluation_settings, grpo_round_tasks, probe_store, record_evaluation, rft_config,
+    stage_processes,
 )
 from qevolve.machine import run_environment
 from qevolve.seeding import derive_seed, seed_everything
@@ -331,7 +332,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                workdir=workdir)
             try:
                 if launched:
-                    outputs, metrics = stage_worker.launch_stage(ctx, stage, inputs, options, processes, threads)
+                    outputs, metrics = stage_worker.launch_stage(ctx, stage, inputs, options, count, threads)
                 else:
                     outputs, metrics = stage(ctx, inputs, **options)
             except FailedEpisodesError as err:  # name the stage; it is not recorded, so a fixed rerun redoes it
@@ -347,7 +348,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
 
         resumable = getattr(stage, "resumable", False)
         # a training stage in `processes` processes under torch's launcher (see qevolve.evolve.stage_worker)
-        launched = resumable and (processes > 1 or stage_worker.LAUNCH_ONE_PROCESS)
+        count = stage_processes(stage, config, options, processes) if resumable else 1
+        launched = resumable and (count > 1 or stage_worker.LAUNCH_ONE_PROCESS)
+        if resumable and count < processes and directory.completed(name) is None:
+            log(f"[{name}] trains in one process (DPO does), in this process")
         record = directory.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log,
                                      resumable=resumable)
         loggers.log(name, _iteration_of(name), record.metrics)
