@@ -9,8 +9,8 @@ On the counter testing environment with a tiny random model (BC, one iteration a
   tolerance DDP promises against one process (tests/test_distributed.py: float32 sums in another
   order; gradients agree to atol 1e-6 / rtol 1e-4). Adam divides by the gradient's own scale, so
   weight differences stay at the same relative scale: asserted to atol 1e-5, rtol 1e-4;
-* a rank SIGKILLed inside a training stage fails the stage with one line naming the stage and the
-  rank, leaves no process behind, and ``--resume`` finishes the run from the stage's checkpoint.
+* a rank that raises, or is SIGKILLed, inside a training stage fails the stage with one line naming the
+  stage and the rank, leaves no process behind, and ``--resume`` continues the stage from its checkpoint.
 """
 
 from __future__ import annotations
@@ -36,21 +36,25 @@ WEIGHT_TOL = {"atol": 1e-5, "rtol": 1e-4}
 LOGPROB_TOL = {"atol": 1e-4, "rtol": 1e-4}
 TRAINING = ("bc", "iter_1/critic", "iter_1/policy", "iter_1/rft/policy")
 
-# Rank 1 of the first launched stage kills itself (SIGKILL) in its second optimizer step, once: the hook
-# is this sitecustomize on the ranks' PYTHONPATH, armed by QEVOLVE_TEST_KILL_MARKER (created when it fires).
-KILL_HOOK = '''
+# Faults of rank 1 in the second optimizer step of the launched stages' attempts, one per attempt in the order
+# QEVOLVE_TEST_FAULTS lists them (raise: an exception; kill: SIGKILL); each leaves a file in QEVOLVE_TEST_FAULT_DIR
+# when it fires. The hook is this sitecustomize on the ranks' PYTHONPATH.
+FAULT_HOOK = '''
 import os
-marker = os.environ.get("QEVOLVE_TEST_KILL_MARKER")
-if marker and os.environ.get("RANK") == "1" and not os.path.exists(marker):
+faults, folder = os.environ.get("QEVOLVE_TEST_FAULTS"), os.environ.get("QEVOLVE_TEST_FAULT_DIR")
+if faults and folder and os.environ.get("RANK") == "1" and len(os.listdir(folder)) < len(faults.split(",")):
     from qevolve.training.trainer import Trainer
 
-    real, calls = Trainer.optimizer_step, [0]
+    done = len(os.listdir(folder))
+    kind, real, calls = faults.split(",")[done], Trainer.optimizer_step, [0]
 
     def optimizer_step(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 2:
-            open(marker, "w").close()
-            os.kill(os.getpid(), 9)
+            open(os.path.join(folder, str(done)), "w").close()
+            if kind == "kill":
+                os.kill(os.getpid(), 9)
+            raise RuntimeError("injected fault on rank 1")
         return real(self, *args, **kwargs)
 
     Trainer.optimizer_step = optimizer_step
@@ -188,30 +192,61 @@ def test_two_processes_give_the_same_trajectories_and_weights_within_ddp_toleran
         assert value == pytest.approx(one["iter_1/critic"]["metrics"][key], rel=1e-4, abs=1e-5), key
 
 
-def test_a_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(experts, tiny_model_dir, tmp_path,
-                                                                         monkeypatch):
-    hook = tmp_path / "hook"
+def test_a_failing_or_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(experts, tiny_model_dir,
+                                                                                    tmp_path, monkeypatch):
+    hook, fired = tmp_path / "hook", tmp_path / "fired"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(KILL_HOOK)
-    marker = tmp_path / "killed"
-    monkeypatch.setenv("QEVOLVE_TEST_KILL_MARKER", str(marker))
+    fired.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
+    monkeypatch.setenv("QEVOLVE_TEST_FAULTS", "raise,kill")
+    monkeypatch.setenv("QEVOLVE_TEST_FAULT_DIR", str(fired))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    # bc: 3 steps, a checkpoint after each
     config = tiny_config(tmp_path / "runs", experts, tiny_model_dir, "iterations=0", "baselines=[]",
-                         "distributed.nproc_per_node=2")
+                         "distributed.nproc_per_node=2", "bc.max_steps=3")
+    root = tmp_path / "runs" / "run"
     # (processes of this test session that outlive their fixtures, e.g. multiprocessing's resource tracker)
     before = children()
+    # rank 1 raises in step 2 (rank 0 then fails in its collective: a consequence, not the cause)
     with pytest.raises(StageFailedError) as failed:
         run_evolve(config, log=lambda line: None)
-    assert marker.exists()
-    message = str(failed.value)
-    assert message == "stage bc: rank 1 of 2 failed: killed by SIGKILL (exit code -9)"
+    assert str(failed.value) == "stage bc: rank 1 of 2 failed: RuntimeError: injected fault on rank 1"
     assert children() == before
-    root = tmp_path / "runs" / "run"
-    assert (root / ".bc.partial" / "checkpoints").is_dir()  # the stage's checkpoints stay for --resume
+    # resumed from step 1, rank 1 is killed in step 3
     messages: list[str] = []
+    with pytest.raises(StageFailedError) as failed:
+        run_evolve(config, resume=True, log=messages.append)
+    assert "[bc] continuing the unfinished stage in " + str(root / ".bc.partial") + \
+        " from its checkpoint at step 1" in messages
+    assert str(failed.value) == "stage bc: rank 1 of 2 failed: killed by SIGKILL (exit code -9)"
+    assert children() == before
+    assert sorted(os.listdir(fired)) == ["0", "1"]
+    messages.clear()
     run_evolve(config, resume=True, log=messages.append)
-    assert any(line.startswith("[bc] continuing the unfinished stage") and "from its checkpoint at step" in line
+    assert any(line.startswith("[bc] continuing the unfinished stage") and line.endswith("at step 2")
                for line in messages), messages
     assert list(stages(root)) == ["bc", "bc/eval_seen"]
-    assert stages(root)["bc"]["metrics"]["steps"] == 2
+    assert stages(root)["bc"]["metrics"]["steps"] == 3
     assert children() == before
+
+
+def test_the_failure_named_is_the_cause_not_the_ranks_that_followed_it():
+    from types import SimpleNamespace
+
+    from qevolve.evolve.stage_worker import failure_reason, first_failure
+
+    def failure(exitcode: int, message: str = "", timestamp: int = 100):
+        return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp,
+                               signal_name=lambda: {-9: "SIGKILL", -15: "SIGTERM"}[exitcode])
+
+    broken = {"message": "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                         "[127.0.0.1]:60124: Connection reset by peer.", "extraInfo": {"timestamp": "100"}}
+    # the same second: rank 0's broken collective and the launcher's SIGTERM come after rank 1's death
+    assert first_failure({0: failure(1, broken), 1: failure(-9)})[0] == 1
+    assert first_failure({0: failure(-15), 1: failure(-9)})[0] == 1
+    assert first_failure({0: failure(-15), 1: failure(1, {"message": "ValueError: bad\nvalue"})})[0] == 1
+    # two causes: the earlier one
+    assert first_failure({0: failure(-9, timestamp=101), 1: failure(-9, timestamp=100)})[0] == 1
+    assert failure_reason(failure(1, {"message": "ValueError: bad\nvalue"})) == "ValueError: bad value"
+    assert failure_reason(failure(-9)) == "killed by SIGKILL (exit code -9)"
+    assert failure_reason(failure(3, "To enable traceback see: ...")) == "exited with code 3"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,15 +191,7 @@ def launch_main(nproc: int, request_path: str) -> int:
         run(args)
     except ChildFailedError as error:
         rank, failure = first_failure(error.failures)
-        if failure.exitcode < 0:
-            reason = f"killed by {failure.signal_name()} (exit code {failure.exitcode})"
-        else:
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", "")
-            message = " ".join(str(message).split())
-            reason = (message if message and "To enable traceback" not in message else
-                      f"exited with code {failure.exitcode}")
+        reason = failure_reason(failure)
         from qevolve.atomic_io import write_json_atomic
 
         write_json_atomic(workdir / FAILURE, {"rank": rank, "world_size": nproc, "exitcode": failure.exitcode,
@@ -207,13 +200,35 @@ def launch_main(nproc: int, request_path: str) -> int:
     return 0
 
 
+#: what a rank's error says when another rank's death broke a collective (gloo, nccl): a consequence, not a cause
+_PEER_LOST = re.compile(r"gloo/transport|Connection (reset|closed) by peer|DistBackendError|NCCL|ProcessGroup|"
+                        r"remote process exited|Broken pipe", re.IGNORECASE)
+
+
+def failure_reason(failure: Any) -> str:
+    """One line on why a rank (a ``ProcessFailure``) ended: its exception as ``record`` wrote it, or its signal."""
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()} (exit code {failure.exitcode})"
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    message = " ".join(str(message).split())
+    return message if message and "To enable traceback" not in message else f"exited with code {failure.exitcode}"
+
+
 def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The rank whose failure ended the stage, and its ``ProcessFailure``: the earliest (the launcher's own
-    rule), except that the ranks the launcher itself stopped after it (SIGTERM) come last, since their
-    timestamps, in whole seconds, can tie with the cause's."""
+    """The rank whose failure ended the stage, and its ``ProcessFailure``. The launcher's own rule is the
+    earliest, but its timestamps are whole seconds, so the ranks that only followed a failure come after the
+    others: those the launcher stopped (SIGTERM) and those whose collective broke because a peer died."""
     stopped = -int(signal.SIGTERM)
     order = list(failures)
-    rank = min(order, key=lambda r: (failures[r].exitcode == stopped, failures[r].timestamp, order.index(r)))
+
+    def follower(failure: Any) -> int:
+        if failure.exitcode == stopped:
+            return 2
+        return 1 if failure.exitcode > 0 and _PEER_LOST.search(failure_reason(failure)) else 0
+
+    rank = min(order, key=lambda r: (follower(failures[r]), failures[r].timestamp, order.index(r)))
     return rank, failures[rank]
 
 
