@@ -180,6 +180,7 @@ def _failure_line(name: str, workdir: Path, code: int) -> str:
 
 def launch_main(nproc: int, request_path: str) -> int:
     """torch's launcher (``torch.distributed.run``) over the stage; the first failure goes to FAILURE."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -189,6 +190,8 @@ def launch_main(nproc: int, request_path: str) -> int:
                        "-m", "qevolve.evolve.stage_worker", "run", request_path])
     try:
         run(args)
+    except SignalException as error:  # stopped (the evolve process was interrupted): the ranks are stopped too
+        return 128 + int(error.sigval)
     except ChildFailedError as error:
         rank, failure = first_failure(error.failures)
         reason = failure_reason(failure)
