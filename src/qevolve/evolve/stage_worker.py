@@ -115,12 +115,17 @@ def launch_stage(ctx: Any, stage: Callable[..., Any], inputs: dict[str, str], op
     """Run ``stage(ctx, inputs, **options)`` as ``nproc`` processes under torch's launcher; returns rank 0's
     outputs and metrics. Raises :class:`StageFailedError` when a rank fails."""
     from qevolve.atomic_io import write_json_atomic
+    from qevolve.evolve.settings import EvolveSettings
 
     workdir: Path = ctx.workdir
+    config = ctx.config.model_dump(mode="json")
+    if EvolveSettings.model_validate(config).model_dump(mode="json") != config:  # what the ranks rebuild
+        raise ValueError(f"stage {ctx.name}: the run's config does not survive its JSON form; run it with "
+                         "distributed.nproc_per_node=1")
     request = {
         "stage": stage_reference(ctx.name, stage), "name": ctx.name, "seed": ctx.seed, "root": str(ctx.root),
         "workdir": str(workdir), "bc_policy": ctx.bc_policy, "inputs": dict(inputs), "threads": threads,
-        "config": ctx.config.model_dump(mode="json"),
+        "config": config,
         "options": {key: _encode_option(ctx.name, key, value) for key, value in options.items()},
     }
     for leftover in (RESULT, FAILURE):
