@@ -27,6 +27,7 @@ from qevolve.buffer.store import StoreError  # noqa: E402
 from qevolve.config import ConfigError  # noqa: E402
 from qevolve.data.install import DataInstallError  # noqa: E402
 from qevolve.evolve.run_dir import RunError  # noqa: E402
+from qevolve.evolve.stage_worker import StageFailedError  # noqa: E402
 from qevolve.paths import path_safe  # noqa: E402
 
 app = typer.Typer(help="Q-Evolve: self-evolving LLM agents with in-distribution optimisation.",
@@ -955,6 +956,10 @@ def main() -> None:
         sys.path.append(os.getcwd())
     try:
         app()
+    except StageFailedError as err:  # a rank of a launched training stage: its traceback, if any, is above
+        typer.echo(f"error: {' '.join(str(err).split())}; `qevolve evolve --resume` continues the stage from its "
+                   "last checkpoint", err=True)
+        sys.exit(1)
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         typer.echo(f"error: {' '.join(str(message).split())}", err=True)  # always one line

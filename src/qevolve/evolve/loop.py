@@ -11,6 +11,10 @@ policy, rft, eto) continue from the newest checkpoint of an interrupted attempt,
 loses at most the steps since that checkpoint. Every stage seeds its random generators from (seed,
 stage name) and every trainer restores its own from its checkpoint, so a resumed run computes what
 an uninterrupted one would.
+
+With ``distributed.nproc_per_node`` above 1 every training stage runs as that many processes under
+torch's launcher (:mod:`qevolve.evolve.stage_worker`), with the same seed, inputs and options; the
+other stages stay in this process.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from qevolve.allocator import release_free_memory
 from qevolve.buffer.metrics import FailedEpisodesError
 from qevolve.config import strip_derived
 from qevolve.evaluation.compare import online_budgets, success_table
+from qevolve.evolve import stage_worker
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
 from qevolve.evolve.run_dir import RunDirectory
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
 from qevolve.evolve.stages import (
     StageContext, bc_data_config, evaluation_settings, grpo_round_tasks, probe_store, record_evaluation, rft_config,
+    stage_processes,
 )
 from qevolve.machine import run_environment
 from qevolve.seeding import derive_seed, seed_everything
@@ -267,6 +273,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         raise ValueError("run_evolve runs one seed: give each of seed_replicates(config) to it")
     threads = config.num_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    processes = config.distributed.processes()
     validate_inputs(config)
     root = Path(config.runs_dir).expanduser() / config.name
     directory = RunDirectory(root, recorded_config(config), config.seed, resume=resume, redo=redo,
@@ -324,7 +331,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             ctx = StageContext(config=config, root=root, log=log, bc_policy=run.bc_policy, name=name, seed=seed,
                                workdir=workdir)
             try:
-                outputs, metrics = stage(ctx, inputs, **options)
+                if launched:
+                    outputs, metrics = stage_worker.launch_stage(ctx, stage, inputs, options, count, threads)
+                else:
+                    outputs, metrics = stage(ctx, inputs, **options)
             except FailedEpisodesError as err:  # name the stage; it is not recorded, so a fixed rerun redoes it
                 raise FailedEpisodesError(f"stage {name}: {err}") from None
             finally:
@@ -336,8 +346,14 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
             # Wall-clock quantities go to timings, not into the manifest (it must be reproducible).
             return outputs, {k: v for k, v in metrics.items() if "second" not in k and k != "final_dir"}
 
+        resumable = getattr(stage, "resumable", False)
+        # a training stage in `processes` processes under torch's launcher (see qevolve.evolve.stage_worker)
+        count = stage_processes(stage, config, options, processes) if resumable else 1
+        launched = resumable and (count > 1 or stage_worker.LAUNCH_ONE_PROCESS)
+        if resumable and count < processes and directory.completed(name) is None:
+            log(f"[{name}] trains in one process (DPO does), in this process")
         record = directory.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log,
-                                     resumable=getattr(stage, "resumable", False))
+                                     resumable=resumable)
         loggers.log(name, _iteration_of(name), record.metrics)
         loggers.log_steps(name, root / name, warn=log)
         return record

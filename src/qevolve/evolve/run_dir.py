@@ -45,9 +45,10 @@ LOCATION_FIELDS = ("name", "runs_dir", "progress")
 #: with the stage after which they changed): the threads and worker processes a run uses, how it logs
 #: and how often it checkpoints. Worker counts change no result (trajectories are written in job order
 #: and sampling seeds are per request); a thread count can change the low bits of CPU reductions, which
-#: is why every stage record holds the count it ran with.
+#: is why every stage record holds the count it ran with, and so can the processes of a training stage
+#: (float sums in another order; its checkpoints resume with any process count).
 RESUME_FREE_FIELDS = (
-    "num_threads", "model.num_threads", "tensorboard", "wandb",
+    "num_threads", "model.num_threads", "tensorboard", "wandb", "distributed.nproc_per_node",
     *(f"{part}.agent.{field}" for part in ("rollout", "eval")
       for field in ("num_workers", "pool.ray_address", "pool.ray_cpus_per_worker")),
     "critic.checkpoint_every_steps", "critic.feature_cache", "critic.feature_cache_dir",

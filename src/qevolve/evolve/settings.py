@@ -80,6 +80,31 @@ class ProbeSettings(StageConfig):
                                              "points)")
 
 
+class LaunchSettings(StageConfig):
+    """How many processes run each training stage of ``qevolve evolve`` (see docs/scaling.md)."""
+
+    nproc_per_node: int | Literal["auto"] = Field(
+        1, description="processes per training stage (bc, critic, policy updates, rft, eto): with more than 1, "
+        "every training stage runs as `python -m torch.distributed.run --standalone --nproc_per_node N` over the "
+        "run folder (DDP/FSDP as each section's distributed.backend says) while rollouts, evaluations, the buffer "
+        "and the labels stay in the evolve process; 1: every stage in the evolve process; auto: one per visible "
+        "CUDA GPU (1 without one)")
+
+    @model_validator(mode="after")
+    def _positive(self) -> "LaunchSettings":
+        if self.nproc_per_node != "auto" and self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node={self.nproc_per_node}: expected auto or a count of at least 1")
+        return self
+
+    def processes(self) -> int:
+        """The count ``nproc_per_node`` stands for on this machine."""
+        if self.nproc_per_node != "auto":
+            return self.nproc_per_node
+        import torch
+
+        return max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
+
+
 class VariantSettings(StageConfig):
     """An ablation at equal data: iteration 1's critic, label and policy stages again with overrides."""
 
@@ -367,6 +392,8 @@ class EvolveSettings(StageConfig):
         default_factory=dict, description="ablations at equal data: NAME -> overrides of the critic, label and "
         "policy stages, run in iteration 1 on its buffer (e.g. plain_iql: {critic: {weighting: {temporal: "
         "false, success: false}}})")
+    distributed: LaunchSettings = Field(default_factory=LaunchSettings, description="the processes of each "
+                                        "training stage (nproc_per_node; 1: in the evolve process)")
     tensorboard: bool = Field(True, description="TensorBoard scalars in RUNS_DIR/NAME/tensorboard")
     wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb package)")
     progress: bool = Field(True, description="progress bars")

@@ -434,6 +434,18 @@ def eto_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     return _update_policy(ctx, ctx.config.eto, inputs["buffer"], inputs["start"], ctx.name.rpartition("/")[0])
 
 
+def stage_processes(stage: Callable[..., StageResult], config: EvolveSettings, options: dict[str, Any],
+                    processes: int) -> int:
+    """How many processes the training ``stage`` runs as when the run asks for ``processes``: DPO (a pair
+    objective: the eto baseline, or a policy section that names one) trains in one process."""
+    from qevolve.policy.objectives import PAIR_OBJECTIVES
+
+    section = config.eto if stage is eto_stage else options.get("policy")
+    if isinstance(section, PolicyStageConfig) and section.objective.name in PAIR_OBJECTIVES:
+        return 1
+    return processes
+
+
 @generating_stage
 def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> StageResult:
     """Evaluation of the policy at ``inputs["policy"]`` on ``split`` with the run's evaluation settings
