@@ -281,7 +281,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     if directory.restarted:
         log(f"{root}: its manifest records no completed stage, so the run starts afresh under this config")
     if directory.resume_changes:
-        log(f"resuming {root} with changed settings that do not change results (recorded in the manifest): "
+        # thread and process counts can move the low bits of float sums; the other such settings change nothing
+        log(f"resuming {root} with changed settings that leave the results as they are, or change only their "
+            "low bits where a thread or process count changed (recorded in the manifest): "
             + ", ".join(directory.resume_changes))
     if directory.environment_changed:
         log(f"WARNING: resuming {root} in another environment than it started in "
