@@ -155,9 +155,10 @@ def test_cpu_protocol_configs_load_with_every_row():
     root = Path(__file__).resolve().parents[1] / "configs" / "cpu"
     configs = {f.stem: load_config(EvolveConfig, f) for f in sorted(root.glob("*.yaml"))}
     assert set(configs) == {"alfworld", "webshop", "webshop-v2", "webshop-quick", "webshop-quick-ablations",
-                            "webshop-quick-variants", "webshop-faithful"}
-    for name in ("webshop-quick", "webshop-quick-ablations", "webshop-quick-variants", "webshop-faithful"):
-        configs.pop(name)  # the quickstart candidate and the seed study: own tests below
+                            "webshop-quick-variants", "webshop-faithful", "webshop-sample-efficiency"}
+    for name in ("webshop-quick", "webshop-quick-ablations", "webshop-quick-variants", "webshop-faithful",
+                 "webshop-sample-efficiency"):
+        configs.pop(name)  # the quickstart candidate, the seed study and the sample-efficiency figure: own tests
     v1, v2 = configs["webshop"].model_dump(), configs["webshop-v2"].model_dump()
     v2["critic"]["epochs"], v2["critic"]["iql"]["polyak"] = v1["critic"]["epochs"], v1["critic"]["iql"]["polyak"]
     assert (v2.pop("name"), v1.pop("name")) == ("cpu-webshop-v2", "cpu-webshop") and v1 == v2  # only the critic
