@@ -106,7 +106,7 @@ def test_shipped_configs_render_within_100_columns_and_load_back():
     root = Path(__file__).resolve().parents[1] / "configs"
     files = [f for f in sorted(root.glob("**/*.yaml")) if f.parent.name in ("configs", "cpu", "gpu", "ablations")
              and f.stem not in ("bc", "critic", "label")]
-    assert len(files) == 22
+    assert len(files) == 28
     for path in files:
         config = load_config(EvolveConfig, path)
         text = render_config(EvolveConfig, config, ["a header that is long enough to need wrapping " * 4])

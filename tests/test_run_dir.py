@@ -242,3 +242,33 @@ def test_a_run_that_completed_no_stage_does_not_hold_its_name(tmp_path):
     fresh.close()
     with pytest.raises(RunError, match="already holds a run"):  # now it holds one
         RunDirectory(tmp_path / "r", {"k": 2}, seed=5)
+
+
+def test_timings_record_each_stages_peak_gpu_memory_only_where_cuda_is_in_use(tmp_path, monkeypatch):
+    """A fake CUDA: the peak is reset at each stage's start, read at its end, in MiB; none without CUDA."""
+    import torch
+
+    peak = {"bytes": 0, "resets": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: peak.update(bytes=0, resets=peak["resets"] + 1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak["bytes"])
+
+    def allocating(mib):
+        def stage(workdir):
+            peak["bytes"] = max(peak["bytes"], mib * 2**20)
+            return {}, {}
+        return stage
+
+    run = RunDirectory(tmp_path / "r", {"a": 1}, seed=0)
+    run.run_stage("bc", {}, allocating(300), log=lambda m: None)
+    run.run_stage("iter_1/critic", {}, allocating(100), log=lambda m: None)  # reset: not bc's 300
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    run.run_stage("iter_1/label", {}, allocating(500), log=lambda m: None)
+    run.close()
+    timings = [json.loads(line) for line in (tmp_path / "r/timings.jsonl").read_text().splitlines()]
+    assert [t.get("peak_gpu_mb") for t in timings] == [300, 100, None]
+    assert peak["resets"] == 2
+    assert "peak_gpu_mb" not in (tmp_path / "r/manifest.json").read_text()

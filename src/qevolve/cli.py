@@ -896,12 +896,15 @@ def evolve(
                                        "and every later one, then resume from it"),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="seed replicates, e.g. 0-4 or 0,1,2: one run per "
                                         "seed, one after another, in RUNS_DIR/NAME-sSEED (sets the config's seeds)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the stages the run would run, each stage's config "
+                                 "built and validated, without loading a model, starting an environment or "
+                                 "writing the run folder"),
     show: bool = show_config_option(),
     defaults: bool = defaults_option(),
 ) -> None:
     """The whole Q-Evolve loop: BC -> K x (rollouts, buffer, critic, labels, BPPO, evaluation)."""
     from qevolve.config import load_config
-    from qevolve.evolve.loop import EvolveConfig, run_evolve, seed_replicates
+    from qevolve.evolve.loop import EvolveConfig, dry_run_evolve, run_evolve, seed_replicates
 
     overrides = list(overrides or [])
     if seeds is not None:
@@ -909,6 +912,13 @@ def evolve(
     show_config("evolve", EvolveConfig, show, defaults, lambda: load_config(EvolveConfig, config, overrides),
                 ["fields the loop sets itself are comments saying what decides them", *recipe_notes()])
     replicates = seed_replicates(load_config(EvolveConfig, config, overrides))
+    if dry_run:
+        for cfg in replicates:
+            typer.echo(f"dry run of {cfg.runs_dir}/{cfg.name}: the stages it would run, in order")
+            planned = dry_run_evolve(cfg, log=typer.echo)
+            typer.echo(f"{len(planned)} stages (an online baseline's rounds listed once), each stage's config "
+                       "valid; no model loaded, no environment started, nothing written")
+        return
     for number, cfg in enumerate(replicates, 1):
         if len(replicates) > 1:
             typer.echo(f"\n== seed {cfg.seed} ({number} of {len(replicates)}): {cfg.runs_dir}/{cfg.name}")

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import gc
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from pydantic import field_validator
+from pydantic import ValidationError, field_validator
 
 from qevolve.allocator import release_free_memory
 from qevolve.buffer.metrics import FailedEpisodesError
@@ -33,7 +34,7 @@ from qevolve.config import strip_derived
 from qevolve.evaluation.compare import online_budgets, success_table
 from qevolve.evolve import stage_worker
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
-from qevolve.evolve.run_dir import RunDirectory
+from qevolve.evolve.run_dir import RunDirectory, StageRecord
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
 from qevolve.evolve.stages import (
     StageContext, bc_data_config, evaluation_settings, grpo_round_tasks, probe_store, record_evaluation, rft_config,
@@ -43,7 +44,7 @@ from qevolve.machine import run_environment
 from qevolve.seeding import derive_seed, seed_everything
 
 __all__ = [
-    "EvolveConfig", "run_evolve", "seed_replicates", "validate_inputs", "recorded_config", "upgrade_recorded",
+    "EvolveConfig", "run_evolve", "dry_run_evolve", "PlannedStage", "seed_replicates", "validate_inputs", "recorded_config", "upgrade_recorded",
     "extension_of", "environment_of",
     # the settings and stage helpers that scripts and tests import from here, where they were defined before
     # the settings and the stages had modules of their own
@@ -259,12 +260,83 @@ def seed_replicates(config: EvolveConfig) -> list[EvolveConfig]:
 
 
 
+@dataclass(frozen=True)
+class PlannedStage:
+    """A stage a dry run walked: its name and, for a training stage, the processes it would run as."""
+
+    name: str
+    processes: int | None   # None: not a training stage (it runs in the evolve process)
+
+
+class _PlannedOutputs(dict):
+    """The outputs of a stage that a dry run did not run: each key a placeholder path in the stage's folder."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, key: str) -> str:
+        return f"{self.name}/{key}"
+
+
+def _one_line(error: ValueError) -> str:
+    """A config error in one line: a validation error's first field and message."""
+    if isinstance(error, ValidationError) and error.errors():
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        return f"{field}: {first['msg']}" if field else str(first["msg"])
+    return " ".join(str(error).split())
+
+
+def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print) -> list[PlannedStage]:
+    """Walk the run's recipe (:func:`qevolve.evolve.recipes.qevolve`, its baselines and variants) without
+    running a stage: each stage builds and validates its stage config (the builder the stage itself
+    calls, :func:`qevolve.evolve.stages.builds`) and nothing else; no model is loaded, no environment
+    started, nothing written. Returns the stages a fresh run would run, in order. An online baseline
+    lists its first round (its rounds repeat until the budget). A stage config that does not validate
+    is a ``ValueError`` naming the stage and the field. ``log`` gets a line per stage as it is walked."""
+    if config.seeds:
+        raise ValueError("dry_run_evolve walks one seed: give each of seed_replicates(config) to it")
+    processes = config.distributed.processes()
+    root = Path(config.runs_dir).expanduser() / config.name
+    planned: list[PlannedStage] = []
+
+    def plan_stage(name: str, stage: Callable[..., Any], inputs: dict[str, str],
+                   options: dict[str, Any]) -> StageRecord:
+        seed = derive_seed(config.seed, name)
+        ctx = StageContext(config=config, root=root, log=log, bc_policy=run.bc_policy, name=name, seed=seed,
+                           workdir=root / name)
+        builder = getattr(stage, "build_config", None)
+        if builder is not None:
+            try:
+                builder(ctx, inputs, **options)
+            except ValueError as err:  # pydantic's ValidationError among them
+                raise ValueError(f"stage {name}: {_one_line(err)}") from None
+        resumable = getattr(stage, "resumable", False)
+        planned.append(PlannedStage(name, stage_processes(stage, config, options, processes) if resumable else None))
+        count = planned[-1].processes
+        log(f"  {name}" + ("" if count is None else
+                           f"  (training: {count} process{'es' if count > 1 else ''})"))
+        return StageRecord(name, dict(inputs), _PlannedOutputs(name), {})
+
+    run = Run(config, root, log, plan_stage, probe_experts=probe_store(config) if config.probe.states else None,
+              dry_run=True)
+    if config.probe.states and run.probe_experts is None:
+        log("format probe skipped: no expert store to draw its states from (set bc.data.train_path)")
+    qevolve(run)
+    return planned
+
+
 def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,
-               stop_before: str | None = None, redo: str | None = None) -> dict[str, Any]:
+               stop_before: str | None = None, redo: str | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Run (or resume) the loop; returns the success-rate table. ``stop_before`` ends the run just
     before the named stage starts (used to simulate a kill); ``redo`` forgets that recorded stage
-    and every later one, then resumes."""
+    and every later one, then resumes. ``dry_run``: only :func:`dry_run_evolve`, whose stages are
+    returned as ``{"stages": [PlannedStage, ...]}``."""
     from qevolve.rollouts import vllm_backend
+
+    if dry_run:
+        return {"stages": dry_run_evolve(config, log)}
 
     # One thread count for the whole run: CPU reductions (hence weights) depend on it. Set before any
     # engine starts and asserted again at every stage (vLLM's CPU worker replaces torch.set_num_threads

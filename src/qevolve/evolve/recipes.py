@@ -85,6 +85,9 @@ class Run:
     probe_experts: Path | None = None           # the store of the probe's states; None: no probe stages
     bc_policy: str | None = None                # the run's BC policy, once stage bc has run
     bc_probe: dict[str, Any] | None = None      # the BC policy's probe metrics, which later probes compare with
+    #: a dry run (``qevolve evolve --dry-run``): the stages only build their configs and return no metrics;
+    #: an online baseline lists its first round only
+    dry_run: bool = False
     _probe_states: tuple[list[tuple[Episode, int]], bool] | None = field(default=None, repr=False)
 
     def stage(self, name: str, stage: Callable[..., Any], inputs: dict[str, str], **options: Any) -> StageRecord:
@@ -198,6 +201,8 @@ def probe(run: Run, prefix: str, policy: str) -> None:
         return
     metrics = run.stage(f"{prefix}/probe", probe_stage, {"policy": policy, "experts": str(run.probe_experts)},
                         states=run.probe_states).metrics
+    if run.dry_run:
+        return
     if prefix == "bc":
         run.bc_probe = metrics
     reference = run.bc_probe
@@ -364,6 +369,13 @@ def online_rounds(run: Run, start: Start, name: str, settings: OnlineRoundSettin
         updated = run.stage(f"{prefix}/policy", policy_stage, {"labelled": labelled, "start": policy},
                             policy=settings.policy, evaluated_as=f"{it}/{name}")
         policy = run.path(updated.outputs["policy"])
+        if run.dry_run:  # no rollouts ran, so no steps count towards the budget
+            limits = [f"{settings.env_steps} env steps ({name}.env_steps)" if settings.env_steps is not None else "",
+                      f"{settings.rounds} rounds ({name}.rounds)" if settings.rounds is not None else ""]
+            if settings.rounds != 1 or settings.env_steps is not None:
+                run.log(f"[{it}/{name}] rounds until the budget: round_1's stages repeat as round_2, round_3, ... "
+                        f"until {' or '.join(limit for limit in limits if limit) or 'the budget'}")
+            return policy
         stalled = steps == 0 and settings.rounds is None  # nothing spent: the budget alone would never stop it
         last = stalled or (settings.rounds is not None and r >= settings.rounds) or \
             (settings.env_steps is not None and spent >= settings.env_steps)

@@ -33,6 +33,34 @@ from qevolve.evolve.digests import differing_fields, output_digests
 from qevolve.machine import package_versions, torch_threads
 from qevolve.resident import peak_resident_bytes, reset_peak_resident
 
+
+def _cuda_in_use() -> bool:
+    """Whether this process has CUDA initialised (never initialises it)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def reset_peak_gpu() -> None:
+    """Reset this process's peak of allocated CUDA memory (all devices), where CUDA is initialised. A stage
+    that initialises CUDA itself starts from zero anyway."""
+    import torch
+
+    if _cuda_in_use():
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gpu_bytes() -> int | None:
+    """This process's peak of allocated CUDA memory since :func:`reset_peak_gpu`, the largest over its devices;
+    None where CUDA is not initialised."""
+    import torch
+
+    if not _cuda_in_use():
+        return None
+    return max((torch.cuda.max_memory_allocated(device) for device in range(torch.cuda.device_count())),
+               default=None)
+
 MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"
 TIMINGS = "timings.jsonl"
@@ -396,6 +424,7 @@ class RunDirectory:
             write_json_atomic(workdir / STAGE_MARKER, stage_key)  # hidden: not a result, left out of the digests
         started = time.time()
         measured_peak = reset_peak_resident()
+        reset_peak_gpu()
         log(f"[{name}] running")
         try:
             outputs, metrics = fn(workdir)
@@ -421,6 +450,10 @@ class RunDirectory:
         peak = peak_resident_bytes() if measured_peak else None
         if peak is not None:
             timing["peak_rss_mb"] = round(peak / 2**20)  # this process only, not its environment workers
+        gpu_peak = peak_gpu_bytes()
+        if gpu_peak is not None:
+            # torch's allocations in this process only: not a launched stage's ranks, not vLLM's KV cache
+            timing["peak_gpu_mb"] = round(gpu_peak / 2**20)
         with open(self.root / TIMINGS, "a") as handle:
             handle.write(json.dumps(timing) + "\n")
         return record

@@ -80,6 +80,16 @@ def generating_stage(stage: Callable[..., StageResult]) -> Callable[..., StageRe
     return stage
 
 
+def builds(builder: Callable[..., Any]) -> Callable[[Callable[..., StageResult]], Callable[..., StageResult]]:
+    """Marks ``builder(ctx, inputs, **options)`` as the function that builds the stage's config (validated, with
+    the fields the loop decides) from the run's sections, without loading a model or reading an input: the
+    stage calls it, and ``qevolve evolve --dry-run`` calls it instead of the stage."""
+    def mark(stage: Callable[..., StageResult]) -> Callable[..., StageResult]:
+        stage.build_config = builder  # type: ignore[attr-defined]
+        return stage
+    return mark
+
+
 def numeric_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     """The numeric entries of a summary (a trainer's, the labels'): what the manifest records of it."""
     return {key: value for key, value in summary.items() if isinstance(value, (int, float))}
@@ -261,18 +271,27 @@ def record_evaluation(policy_folder: Path, config: EvolveSettings, prefix: str) 
 # ------------------------------------------------------------------------------------------ the stages
 
 
+def bc_stage_config(ctx: StageContext, inputs: dict[str, str]) -> BCConfig | None:
+    """Behaviour cloning's config; None when ``init_checkpoint`` gives the BC policy."""
+    config = ctx.config
+    if config.init_checkpoint:
+        return None
+    return replaced(config.bc, {
+        "model": config.model, "prompt": config.prompt, "output_dir": str(ctx.workdir),
+        "data": bc_data_config(config), "seed": ctx.seed, "progress": config.progress, "resume": True})
+
+
 @training_stage
+@builds(bc_stage_config)
 def bc_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """pi <- BC(D_expert): behaviour cloning of the base model on the expert demonstrations (nothing to
     train when ``init_checkpoint`` gives the BC policy)."""
     from qevolve.policy.bc import run_bc
 
     config = ctx.config
-    if config.init_checkpoint:
+    bc_config = bc_stage_config(ctx, inputs)
+    if bc_config is None:
         return {}, {"reused_checkpoint": 1}
-    bc_config = replaced(config.bc, {
-        "model": config.model, "prompt": config.prompt, "output_dir": str(ctx.workdir),
-        "data": bc_data_config(config), "seed": ctx.seed, "progress": config.progress, "resume": True})
     result = run_bc(bc_config, log=ctx.log)
     record_evaluation(ctx.workdir / "final", config, "bc")
     metrics = {"steps": result.steps, "train_tokens": result.train_tokens,
@@ -294,21 +313,33 @@ def _run_rollouts(ctx: StageContext, rollout_config: Any, task_ids: list[str] | 
     return {"trajectories": "."}, {key: metrics[key] for key in EVAL_KEYS if key in metrics}
 
 
-@generating_stage
-def rollouts_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
-    """D_self <- rollouts of the policy at ``inputs["policy"]`` on the training tasks (``rollout``)."""
+def rollouts_stage_config(ctx: StageContext, inputs: dict[str, str]) -> Any:
+    """The rollouts stage's :class:`qevolve.rollouts.run.RolloutConfig`."""
     from qevolve.rollouts.run import RolloutConfig
 
     config = ctx.config
-    rollout_config = RolloutConfig(
+    return RolloutConfig(
         env=config.env, split=config.rollout.split, limit=config.rollout.limit,
         task_stride=config.rollout.task_stride, task_types=config.task_types,
         episodes_per_task=config.rollout.episodes_per_task,
         model=replaced(config.model, {"name_or_path": inputs["policy"]}), prompt=config.prompt, source="self",
         agent=replaced(config.rollout.agent, {"seed": ctx.seed}))
-    return _run_rollouts(ctx, rollout_config, rollout_task_ids(config))
 
 
+@generating_stage
+@builds(rollouts_stage_config)
+def rollouts_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
+    """D_self <- rollouts of the policy at ``inputs["policy"]`` on the training tasks (``rollout``)."""
+    return _run_rollouts(ctx, rollouts_stage_config(ctx, inputs), rollout_task_ids(ctx.config))
+
+
+def buffer_stage_config(ctx: StageContext, inputs: dict[str, str], *, self_trajectories: Sequence[str],
+                        tokenizer_of: str) -> Any:
+    """The model config of the tokeniser the buffer stage loads (the policy at ``tokenizer_of``)."""
+    return replaced(ctx.config.model, {"name_or_path": tokenizer_of})
+
+
+@builds(buffer_stage_config)
 def buffer_stage(ctx: StageContext, inputs: dict[str, str], *, self_trajectories: Sequence[str],
                  tokenizer_of: str) -> StageResult:
     """D <- D_expert U D_self: the buffer's expert episodes and the rollouts at ``self_trajectories``, in
@@ -319,7 +350,8 @@ def buffer_stage(ctx: StageContext, inputs: dict[str, str], *, self_trajectories
     config = ctx.config
     experts = buffer_experts(config)
     own = sorted_episodes(ep for path in self_trajectories for ep in read_episodes(ctx.path(path)))
-    policy = load_policy(replaced(config.model, {"name_or_path": tokenizer_of}), trainable=False)
+    policy = load_policy(buffer_stage_config(ctx, inputs, self_trajectories=self_trajectories,
+                                             tokenizer_of=tokenizer_of), trainable=False)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     # Self turns keep their generated ids (token-in-token-out); expert turns are tokenised once here.
     episodes = [builder.tokenize(ep) for ep in experts + own]
@@ -330,15 +362,22 @@ def buffer_stage(ctx: StageContext, inputs: dict[str, str], *, self_trajectories
         "turns": sum(ep.num_turns for ep in episodes)}
 
 
+def critic_stage_config(ctx: StageContext, inputs: dict[str, str], *, critic: CriticConfig) -> CriticConfig:
+    """The critic stage's config: ``critic`` from the run's critic backbone, with the stage's seed."""
+    config = ctx.config
+    init = config.critic.init or (ctx.bc_policy if config.critic_init == "bc" else None)
+    return replaced(critic, {"init": init, "seed": ctx.seed})
+
+
 @training_stage
+@builds(critic_stage_config)
 def critic_stage(ctx: StageContext, inputs: dict[str, str], *, critic: CriticConfig) -> StageResult:
     """V, Q <- weighted IQL on the buffer at ``inputs["buffer"]`` with the settings ``critic`` (the run's
     ``critic`` section, or a variant's override of it), from the run's critic backbone."""
     from qevolve.critic.train import FIT_KEYS, critic_fit_line, train_critic
 
     config = ctx.config
-    init = config.critic.init or (ctx.bc_policy if config.critic_init == "bc" else None)
-    critic_config = replaced(critic, {"init": init, "seed": ctx.seed})
+    critic_config = critic_stage_config(ctx, inputs, critic=critic)
     summary = train_critic(read_episodes(ctx.path(inputs["buffer"])), critic_config, ctx.workdir, restart=False,
                            progress=config.progress, log=ctx.log)
     last = summary["history"][-1] if summary["history"] else {}
@@ -351,6 +390,12 @@ def critic_stage(ctx: StageContext, inputs: dict[str, str], *, critic: CriticCon
                              "converged_by": summary["converged_by"]}
 
 
+def given_label(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig, **_: Any) -> LabelConfig:
+    """A label stage's config: the ``label`` it is given (validated again)."""
+    return replaced(label, {})
+
+
+@builds(given_label)
 def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig) -> StageResult:
     """A_t <- process rewards of every turn of the buffer at ``inputs["buffer"]`` with the settings ``label``
     (from the critic at ``inputs["critic"]`` where its estimator needs one), and the label audit where
@@ -386,24 +431,38 @@ def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig
     return outputs, metrics
 
 
-def _update_policy(ctx: StageContext, section: PolicyStageConfig, data: str, start: str,
-                   evaluated_as: str) -> StageResult:
+def update_config(ctx: StageContext, section: PolicyStageConfig, data: str, start: str) -> PolicyStageConfig:
     """The policy update ``section`` from the policy at ``start`` on the episodes at ``data``, KL to the run's
-    BC policy; the saved policy records how the stages ``<evaluated_as>/eval_<split>`` evaluate it."""
-    from qevolve.policy.bppo import run_policy_update
-
+    BC policy."""
     config = ctx.config
-    policy_config = replaced(section, {
+    return replaced(section, {
         "env": config.env, "buffer_path": str(ctx.path(data)),
         "model": replaced(config.model, {"name_or_path": start}), "reference": ctx.bc_policy,
         "prompt": config.prompt, "output_dir": str(ctx.workdir), "seed": ctx.seed,
         "progress": config.progress, "resume": True})
+
+
+def _update_policy(ctx: StageContext, section: PolicyStageConfig, data: str, start: str,
+                   evaluated_as: str) -> StageResult:
+    """The policy update ``section`` (:func:`update_config`); the saved policy records how the stages
+    ``<evaluated_as>/eval_<split>`` evaluate it."""
+    from qevolve.policy.bppo import run_policy_update
+
+    config = ctx.config
+    policy_config = update_config(ctx, section, data, start)
     result = run_policy_update(policy_config, log=ctx.log)
     record_evaluation(ctx.workdir / "final", config, evaluated_as)
     return {"policy": "final"}, numeric_metrics(result.summary())
 
 
+def policy_stage_config(ctx: StageContext, inputs: dict[str, str], *, policy: PolicyStageConfig,
+                        evaluated_as: str | None = None) -> PolicyStageConfig:
+    """The policy stage's config (:func:`update_config`)."""
+    return update_config(ctx, policy, inputs["labelled"], inputs["start"])
+
+
 @training_stage
+@builds(policy_stage_config)
 def policy_stage(ctx: StageContext, inputs: dict[str, str], *, policy: PolicyStageConfig,
                  evaluated_as: str | None = None) -> StageResult:
     """pi <- the update ``policy`` (BPPO in the method) of the policy at ``inputs["start"]`` on the labelled
@@ -413,21 +472,32 @@ def policy_stage(ctx: StageContext, inputs: dict[str, str], *, policy: PolicySta
                           evaluated_as or ctx.name.rpartition("/")[0])
 
 
+def rft_stage_config(ctx: StageContext, inputs: dict[str, str]) -> BCConfig:
+    """The rft stage's config (:func:`rft_config`)."""
+    return rft_config(ctx.config, inputs["start"], ctx.path(inputs["buffer"]), ctx.workdir, ctx.seed)
+
+
 @training_stage
+@builds(rft_stage_config)
 def rft_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """The rft baseline's training: BC from ``inputs["start"]`` on the won episodes of the buffer at
     ``inputs["buffer"]`` (:func:`rft_config`)."""
     from qevolve.policy.bc import run_bc
 
     config = ctx.config
-    result = run_bc(rft_config(config, inputs["start"], ctx.path(inputs["buffer"]), ctx.workdir, ctx.seed),
-                    log=ctx.log)
+    result = run_bc(rft_stage_config(ctx, inputs), log=ctx.log)
     record_evaluation(ctx.workdir / "final", config, ctx.name.rpartition("/")[0])
     return {"policy": "final"}, {"steps": result.steps, "train_sequences": result.train_sequences,
                                  "train_tokens": result.train_tokens}
 
 
+def eto_stage_config(ctx: StageContext, inputs: dict[str, str]) -> PolicyStageConfig:
+    """The eto stage's config: the ``eto`` section (:func:`update_config`)."""
+    return update_config(ctx, ctx.config.eto, inputs["buffer"], inputs["start"])
+
+
 @training_stage
+@builds(eto_stage_config)
 def eto_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """The eto baseline's training: the ``eto`` section (DPO) from ``inputs["start"]`` on the (better, worse)
     trajectory pairs of the buffer at ``inputs["buffer"]``."""
@@ -446,12 +516,9 @@ def stage_processes(stage: Callable[..., StageResult], config: EvolveSettings, o
     return processes
 
 
-@generating_stage
-def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> StageResult:
-    """Evaluation of the policy at ``inputs["policy"]`` on ``split`` with the run's evaluation settings
-    (:func:`evaluation_settings`); re-ranked by the critic at ``inputs["critic"]`` when given (``rerank``)."""
-    from qevolve.critic.train import load_critic
-    from qevolve.rollouts.run import RolloutConfig, run_eval
+def eval_stage_config(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Any:
+    """An evaluation stage's :class:`qevolve.rollouts.run.RolloutConfig` (see :func:`eval_stage`)."""
+    from qevolve.rollouts.run import RolloutConfig
 
     config = ctx.config
     prefix = ctx.name.removesuffix(f"/eval_{split}")
@@ -463,10 +530,22 @@ def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Stag
                   "rerank_critic": str(ctx.path(inputs["critic"])),
                   "rerank_candidates": config.rerank.num_candidates, "rerank_q_source": config.rerank.q_source}
     # the settings saved policies record (record_evaluation), so `qevolve eval` repeats this
-    rollout_config = RolloutConfig.model_validate(merge_trees(
+    return RolloutConfig.model_validate(merge_trees(
         evaluation_settings(config, prefix)["rollout"],
         merge_trees(rerank, {"split": split, "model": {"name_or_path": inputs["policy"]},
                              "agent": {"seed": ctx.seed}})))
+
+
+@generating_stage
+@builds(eval_stage_config)
+def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> StageResult:
+    """Evaluation of the policy at ``inputs["policy"]`` on ``split`` with the run's evaluation settings
+    (:func:`evaluation_settings`); re-ranked by the critic at ``inputs["critic"]`` when given (``rerank``)."""
+    from qevolve.critic.train import load_critic
+    from qevolve.rollouts.run import run_eval
+
+    config = ctx.config
+    rollout_config = eval_stage_config(ctx, inputs, split=split)
     metrics = run_eval(rollout_config, ctx.workdir, progress=config.progress, load_critic=load_critic)
     warning = truncation_warning(metrics, rollout_config.agent.max_new_tokens)
     if warning:
@@ -475,18 +554,25 @@ def eval_stage(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Stag
             {key: metrics[key] for key in EVAL_KEYS if key in metrics})
 
 
+def probe_stage_config(ctx: StageContext, inputs: dict[str, str], **_: Any) -> Any:
+    """A probe stage's :class:`qevolve.rollouts.run.RolloutConfig`: the evaluation's settings."""
+    from qevolve.rollouts.run import RolloutConfig
+
+    prefix = ctx.name.removesuffix("/probe")
+    return RolloutConfig.model_validate(merge_trees(evaluation_settings(ctx.config, prefix)["rollout"], {
+        "model": {"name_or_path": inputs["policy"]}, "agent": {"seed": ctx.seed}}))
+
+
 @generating_stage
+@builds(probe_stage_config)
 def probe_stage(ctx: StageContext, inputs: dict[str, str], *,
                 states: Callable[[], tuple[list[tuple[Episode, int]], bool]]) -> StageResult:
     """The format probe of the policy at ``inputs["policy"]``: one greedy turn on each of the run's probe
     states (``states()``: :func:`probe_states`, drawn once per run) with the evaluation's settings."""
     from qevolve.evaluation.probe import probe_policy
-    from qevolve.rollouts.run import RolloutConfig
 
     drawn, held_out = states()
-    prefix = ctx.name.removesuffix("/probe")
-    rollout_config = RolloutConfig.model_validate(merge_trees(evaluation_settings(ctx.config, prefix)["rollout"], {
-        "model": {"name_or_path": inputs["policy"]}, "agent": {"seed": ctx.seed}}))
+    rollout_config = probe_stage_config(ctx, inputs)
     result = probe_policy(rollout_config, drawn)
     return {"probe": result.write(ctx.workdir)}, {**result.metrics(), "held_out_states": int(held_out)}
 
@@ -494,23 +580,31 @@ def probe_stage(ctx: StageContext, inputs: dict[str, str], *,
 # ------------------------------------------------------------------------------------------ the online baselines'
 
 
-@generating_stage
-def online_rollouts_stage(ctx: StageContext, inputs: dict[str, str], *, settings: OnlineRoundSettings,
-                          episodes_per_task: int) -> StageResult:
-    """A round of an online baseline (``settings``: its section): ``episodes_per_task`` episodes of the policy
-    at ``inputs["policy"]`` on each of the round's tasks (:func:`online_round_tasks`), sampled."""
+def online_rollouts_stage_config(ctx: StageContext, inputs: dict[str, str], *, settings: OnlineRoundSettings,
+                                 episodes_per_task: int) -> Any:
+    """An online round's :class:`qevolve.rollouts.run.RolloutConfig` (see :func:`online_rollouts_stage`)."""
     from qevolve.rollouts.run import RolloutConfig
 
     config = ctx.config
-    rollout_config = RolloutConfig(
+    return RolloutConfig(
         env=config.env, split=config.rollout.split, limit=config.rollout.limit,
         task_stride=config.rollout.task_stride, task_types=config.task_types, episodes_per_task=episodes_per_task,
         model=replaced(config.model, {"name_or_path": inputs["policy"]}), prompt=config.prompt, source="self",
         agent=replaced(config.rollout.agent, {"seed": ctx.seed, "temperature": settings.temperature,
                                               "top_p": settings.top_p}))
-    return _run_rollouts(ctx, rollout_config, online_round_tasks(config, ctx.name, settings.tasks_per_round))
 
 
+@generating_stage
+@builds(online_rollouts_stage_config)
+def online_rollouts_stage(ctx: StageContext, inputs: dict[str, str], *, settings: OnlineRoundSettings,
+                          episodes_per_task: int) -> StageResult:
+    """A round of an online baseline (``settings``: its section): ``episodes_per_task`` episodes of the policy
+    at ``inputs["policy"]`` on each of the round's tasks (:func:`online_round_tasks`), sampled."""
+    rollout_config = online_rollouts_stage_config(ctx, inputs, settings=settings, episodes_per_task=episodes_per_task)
+    return _run_rollouts(ctx, rollout_config, online_round_tasks(ctx.config, ctx.name, settings.tasks_per_round))
+
+
+@builds(given_label)
 def group_label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig,
                       round_number: int) -> StageResult:
     """A grpo round's labels: every turn of the round's rollouts at ``inputs["rollouts"]`` gets its episode's
@@ -523,13 +617,20 @@ def group_label_stage(ctx: StageContext, inputs: dict[str, str], *, label: Label
     return {"labelled": "labelled.parquet"}, numeric_metrics(summary)
 
 
+def value_stage_config(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings,
+                       round_number: int) -> Any:
+    """A ppo round's value-head config: ``ppo.value`` with the stage's seed."""
+    return replaced(settings.value, {"seed": ctx.seed})
+
+
+@builds(value_stage_config)
 def value_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings, round_number: int) -> StageResult:
     """A ppo round's value head: fitted (from the round before's head at ``inputs["value"]``, if any) to the
     lambda-returns of the round's rollouts at ``inputs["rollouts"]``, on the frozen hidden states of
     ``inputs["backbone"]`` (the BC policy); every turn gets V_old, the head's value before the fit."""
     from qevolve.critic.value import VALUE_FILE, train_value
 
-    value_config = replaced(settings.value, {"seed": ctx.seed})
+    value_config = value_stage_config(ctx, inputs, settings=settings, round_number=round_number)
     previous = inputs.get("value")
     episodes, summary = train_value(
         read_episodes(ctx.path(inputs["rollouts"])), value_config, ctx.workdir, backbone=inputs["backbone"],
@@ -542,13 +643,20 @@ def value_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSetti
     return {"value": VALUE_FILE, "valued": "valued.parquet"}, summary
 
 
+def gae_label_stage_config(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings,
+                           round_number: int) -> LabelConfig:
+    """A ppo round's label config: GAE over r_env with the section's gamma and lambda."""
+    return LabelConfig(estimator="gae_env", gamma=settings.gamma, gae_lambda=settings.gae_lambda)
+
+
+@builds(gae_label_stage_config)
 def gae_label_stage(ctx: StageContext, inputs: dict[str, str], *, settings: PPOSettings,
                     round_number: int) -> StageResult:
     """A ppo round's labels: GAE over r_env and V_old (the V the round acted with) on every turn of the valued
     rollouts at ``inputs["valued"]``."""
     from qevolve.process_rewards.label import label_with_values
 
-    label = LabelConfig(estimator="gae_env", gamma=settings.gamma, gae_lambda=settings.gae_lambda)
+    label = gae_label_stage_config(ctx, inputs, settings=settings, round_number=round_number)
     episodes, summary = label_with_values(read_episodes(ctx.path(inputs["valued"])), label,
                                           settings.truncated_bootstrap)
     write_episodes(ctx.workdir / "labelled.parquet", episodes, {"env": ctx.config.env, "ppo_round": round_number})

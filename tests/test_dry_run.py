@@ -1,0 +1,98 @@
+"""``qevolve evolve --dry-run``: every stage's config built and validated, nothing run, loaded or written."""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qevolve.cli import app
+from qevolve.config import load_config
+from qevolve.evolve.loop import EvolveConfig, dry_run_evolve, run_evolve, seed_replicates
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def evolve_configs() -> list[Path]:
+    """The shipped evolve configs (as tests/test_config.py enumerates them)."""
+    return [f for f in sorted(CONFIGS.glob("**/*.yaml")) if f.parent.name in ("configs", "cpu", "gpu", "ablations")
+            and f.stem not in ("bc", "critic", "label")]
+
+
+@pytest.fixture
+def nothing_loaded(monkeypatch, tmp_path):
+    """No model, tokenizer or environment may be touched; the working folder is an empty tmp_path."""
+    import transformers
+
+    import qevolve.environments.play as play
+    import qevolve.models.loading as loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run loaded a model or touched an environment")
+
+    for module, name in ((loading, "load_policy"), (loading, "check_checkpoint"), (play, "list_tasks"),
+                         (transformers.AutoModelForCausalLM, "from_pretrained"),
+                         (transformers.AutoTokenizer, "from_pretrained")):
+        monkeypatch.setattr(module, name, refuse)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("path", evolve_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_shipped_evolve_config_passes_the_dry_run(path, nothing_loaded):
+    config = seed_replicates(load_config(EvolveConfig, path, [f"runs_dir={nothing_loaded / 'runs'}"]))[0]
+    lines: list[str] = []
+    planned = dry_run_evolve(config, log=lines.append)
+    names = [stage.name for stage in planned]
+    assert names[0] == "bc" and len(set(names)) == len(names)
+    assert any(name.startswith("bc/eval_") for name in names)
+    if config.iterations:
+        assert f"iter_{config.iterations}/policy" in names
+    processes = config.distributed.processes()
+    assert dict((s.name, s.processes) for s in planned)["bc"] == processes
+    for name in config.baselines:
+        if name in ("grpo", "ppo"):
+            assert f"iter_1/{name}/round_1/policy" in names and f"iter_1/{name}/round_2/policy" not in names
+            assert any(f"[iter_1/{name}] rounds until the budget" in line for line in lines)
+    assert list(nothing_loaded.iterdir()) == []  # no run folder, nothing written
+
+
+def test_the_cli_lists_the_stages_with_their_process_counts(nothing_loaded):
+    result = CliRunner().invoke(app, ["evolve", "--config", str(CONFIGS / "ablations" / "ppo.yaml"), "--dry-run",
+                                      "distributed.nproc_per_node=4", "baselines=[ppo,eto]"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "  bc  (training: 4 processes)" in lines and "  iter_1/critic  (training: 4 processes)" in lines
+    assert "  iter_1/eto/policy  (training: 1 process)" in lines  # DPO trains in one process
+    assert "  iter_1/ppo/round_1/value" in lines and "  bc/eval_seen" in lines
+    assert any("rounds until the budget" in line for line in lines)
+    assert lines[-1].startswith(f"{len([line for line in lines if line.startswith('  ')])} stages")
+    assert list(nothing_loaded.iterdir()) == []
+
+
+def _invalid_policy_config() -> EvolveConfig:
+    """A config whose policy section escaped validation (model_copy does not validate): epochs 0."""
+    config = load_config(EvolveConfig, CONFIGS / "cpu" / "webshop-quick.yaml")
+    return config.model_copy(update={"policy": config.policy.model_copy(update={"epochs": 0})})
+
+
+def test_an_invalid_stage_config_fails_naming_the_stage_and_field(nothing_loaded):
+    with pytest.raises(ValueError, match=r"^stage iter_1/policy: epochs: Input should be greater than") as info:
+        run_evolve(_invalid_policy_config(), dry_run=True, log=lambda line: None)
+    assert "\n" not in str(info.value)
+    assert list(nothing_loaded.iterdir()) == []
+
+
+def test_the_cli_reports_an_invalid_stage_config_in_one_line_with_exit_2(nothing_loaded, monkeypatch, capsys):
+    import sys
+
+    import qevolve.config
+    from qevolve.cli import main
+
+    monkeypatch.setattr(qevolve.config, "load_config", lambda *args, **kwargs: _invalid_policy_config())
+    monkeypatch.setattr(sys, "argv", ["qevolve", "evolve", "--dry-run"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: stage iter_1/policy: epochs: "), errors
+    assert list(nothing_loaded.iterdir()) == []
