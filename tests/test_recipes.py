@@ -189,3 +189,22 @@ def test_the_command_line_imports_the_module_of_a_recipe_spec(recipe_module, tmp
         assert failed.returncode != 0
         lines = [line for line in failed.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and f"recipe '{entry}'" in lines[0] and message in lines[0], failed.stderr
+
+
+def test_a_finished_training_stage_leaves_its_final_weights_and_by_default_no_checkpoints(overrides, tmp_path):
+    """In-stage checkpoints only serve to resume an interrupted stage: once it is recorded they go, unless
+    keep_finished_checkpoints; the manifest's digests (taken before) are the same either way."""
+    runs = {}
+    for keep in (False, True):
+        config = load_config(EvolveConfig, None, [*overrides, "bc.save_every=1", "policy.save_every=1",
+                                                  f"keep_finished_checkpoints={str(keep).lower()}",
+                                                  f"runs_dir={tmp_path / str(keep)}", "name=run"])
+        run_evolve(config, log=lambda message: None)
+        runs[keep] = tmp_path / str(keep) / "run"
+    for stage in ("bc", "iter_1/policy"):
+        assert list((runs[False] / stage / "final").glob("*.safetensors"))
+        assert not (runs[False] / stage / "checkpoints").exists()
+        assert sorted(p.name for p in (runs[True] / stage / "checkpoints").iterdir()) == ["step-000001"]
+    digests = [{s["name"]: s["digests"] for s in json.loads((run / "manifest.json").read_text())["stages"]}
+               for run in runs.values()]
+    assert digests[0] == digests[1] and any(path.startswith("checkpoints/step-000001/") for path in digests[0]["bc"])
