@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -30,7 +31,7 @@ BULBS = '{"bulbs": 5}\n'
 
 
 @pytest.fixture
-def lamps(tmp_path, monkeypatch) -> Path:
+def lamps(tmp_path, monkeypatch) -> Iterator[Path]:
     """The doc's package ``lamps`` in ``site/lamps`` (with its data under ``data/``), named ``lamps`` through
     the entry-point group ``qevolve.environments`` of its distribution, as an installed package is."""
     site = tmp_path / "site"
@@ -47,7 +48,18 @@ def lamps(tmp_path, monkeypatch) -> Path:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lamps\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[qevolve.environments]\nlamps = lamps\n")
     monkeypatch.syspath_prepend(str(site))
-    return folder
+    yield folder
+    # Leave the process as it found it: later tests list the environments by name (docs/errors.md does).
+    import sys
+
+    from qevolve.critic import retrospective
+    from qevolve.environments import base
+
+    for key in [key for key in base._REGISTRY if key == "lamps" or key.startswith("lamps.")]:
+        del base._REGISTRY[key]
+    retrospective._DECLARED.pop("lamps", None)
+    for module in [module for module in sys.modules if module == "lamps" or module.startswith("lamps.")]:
+        del sys.modules[module]
 
 
 def test_every_fact_of_a_new_environment_comes_from_its_own_folder(lamps, tmp_path, monkeypatch):
