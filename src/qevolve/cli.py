@@ -918,6 +918,10 @@ def evolve(
         follow_node_zero(load_config(EvolveConfig, config, overrides), node_rank, seeds, resume, redo, dry_run)
         return
     replicates = seed_replicates(load_config(EvolveConfig, config, overrides))
+    if len(replicates) > 1 and replicates[0].distributed.nnodes > 1:
+        # the followers join one run folder's training stages
+        raise typer.BadParameter("seed replicates (--seeds, or the config's seeds) run over one node only; over "
+                                 "several nodes run one seed at a time", param_hint="--seeds")
     if dry_run:
         for cfg in replicates:
             typer.echo(f"dry run of {cfg.runs_dir}/{cfg.name}: the stages it would run, in order")
