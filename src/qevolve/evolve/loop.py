@@ -14,7 +14,8 @@ an uninterrupted one would.
 
 With ``distributed.nproc_per_node`` above 1 every training stage runs as that many processes under
 torch's launcher (:mod:`qevolve.evolve.stage_worker`), with the same seed, inputs and options; the
-other stages stay in this process.
+other stages stay in this process. With ``distributed.nnodes`` above 1 this process is node 0: the
+other nodes' followers join each training stage it announces (:mod:`qevolve.evolve.nodes`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ A rank that raises or dies fails the stage with one line naming the stage and th
 exception as ``record`` wrote it, or the signal that ended it); the launcher stops the other
 ranks, and the stage's work folder keeps its checkpoints for ``--resume``. The launcher and the
 ranks end with the evolve process (``PR_SET_PDEATHSIG``), so a killed run leaves none behind.
+
+Over several nodes (``distributed.nnodes``) each node runs this launcher with torch's static
+rendezvous instead of ``--standalone`` (:func:`launcher_arguments`): node 0 from the evolve process,
+the others from their followers (:mod:`qevolve.evolve.nodes`). Each node's launcher records its first
+failure in a file of its own (:func:`failure_file`), and node 0 names the one that caused the stage's
+end (a rank's own error before a node stopped from outside, before ranks that lost a peer).
 """
 
 from __future__ import annotations
