@@ -168,3 +168,33 @@ def killed_in_round_2_and_resumed(monkeypatch):
         return root, messages
 
     return run
+
+
+@pytest.fixture(scope="session")
+def counter_experts(tmp_path_factory) -> Path:
+    """The counter testing environment's expert episodes (tests of `qevolve evolve` under torch's launcher)."""
+    from evolve_launch import ENV
+
+    from qevolve.buffer.store import write_episodes
+    from qevolve.environments.episodes import EpisodeJob
+    from qevolve.environments.play import play_jobs
+    from qevolve.environments.policies import WalkthroughPolicy
+
+    jobs = [EpisodeJob(f"count-{n}", WalkthroughPolicy(), split="train", episode_id=f"expert/{n}")
+            for n in range(1, 6)]
+    path = tmp_path_factory.mktemp("dist-evolve") / "experts.parquet"
+    write_episodes(path, play_jobs(ENV, jobs, split="train", num_workers=1, progress=False).episodes)
+    return path
+
+
+@pytest.fixture(scope="session")
+def evolve_reference_run(counter_experts, tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny run of tests/evolve_launch.py in the evolve process (every stage in one process): what the
+    launched runs are compared with."""
+    from evolve_launch import tiny_config
+
+    from qevolve.evolve.loop import run_evolve
+
+    runs = tmp_path_factory.mktemp("in-process")
+    run_evolve(tiny_config(runs, counter_experts, tiny_model_dir), log=lambda line: None)
+    return runs / "run"

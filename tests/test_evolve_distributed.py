@@ -15,134 +15,25 @@ On the counter testing environment with a tiny random model (BC, one iteration a
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-import psutil
 import pytest
 import torch
+from evolve_launch import (FAULT_HOOK, TRAINING, WEIGHT_TOL, assert_same_trajectories, children, stages, tiny_config,
+                           weights)
 
-from qevolve.buffer.store import episode_record, read_episodes, sorted_episodes, write_episodes
-from qevolve.config import load_config
 from qevolve.evolve import stage_worker
-from qevolve.evolve.loop import EvolveConfig, run_evolve
+from qevolve.evolve.loop import run_evolve
 from qevolve.evolve.stage_worker import StageFailedError
 
 pytest.importorskip("accelerate", reason="multi-process training needs accelerate")
 
-ENV = "qevolve.environments.testing:QuietCounterEnv"
-WEIGHT_TOL = {"atol": 1e-5, "rtol": 1e-4}
-LOGPROB_TOL = {"atol": 1e-4, "rtol": 1e-4}
-TRAINING = ("bc", "iter_1/critic", "iter_1/policy", "iter_1/rft/policy")
 
-# Faults of rank 1 in the second optimizer step of the launched stages' attempts, one per attempt in the order
-# QEVOLVE_TEST_FAULTS lists them (raise: an exception; kill: SIGKILL); each leaves a file in QEVOLVE_TEST_FAULT_DIR
-# when it fires. The hook is this sitecustomize on the ranks' PYTHONPATH.
-FAULT_HOOK = '''
-import os
-faults, folder = os.environ.get("QEVOLVE_TEST_FAULTS"), os.environ.get("QEVOLVE_TEST_FAULT_DIR")
-if faults and folder and os.environ.get("RANK") == "1" and len(os.listdir(folder)) < len(faults.split(",")):
-    from qevolve.training.trainer import Trainer
-
-    done = len(os.listdir(folder))
-    kind, real, calls = faults.split(",")[done], Trainer.optimizer_step, [0]
-
-    def optimizer_step(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:
-            open(os.path.join(folder, str(done)), "w").close()
-            if kind == "kill":
-                os.kill(os.getpid(), 9)
-            raise RuntimeError("injected fault on rank 1")
-        return real(self, *args, **kwargs)
-
-    Trainer.optimizer_step = optimizer_step
-'''
-
-
-@pytest.fixture(scope="module")
-def experts(tmp_path_factory) -> Path:
-    from qevolve.environments.episodes import EpisodeJob
-    from qevolve.environments.play import play_jobs
-    from qevolve.environments.policies import WalkthroughPolicy
-
-    jobs = [EpisodeJob(f"count-{n}", WalkthroughPolicy(), split="train", episode_id=f"expert/{n}")
-            for n in range(1, 6)]
-    path = tmp_path_factory.mktemp("dist-evolve") / "experts.parquet"
-    write_episodes(path, play_jobs(ENV, jobs, split="train", num_workers=1, progress=False).episodes)
-    return path
-
-
-def tiny_config(runs_dir: Path, experts: Path, model_dir: Path, *extra: str) -> EvolveConfig:
-    # 2 micro-batches a step (about one sequence each): with 2 processes each rank takes one
-    train = ("max_steps=2", "grad_accum_steps=2", "tokens_per_batch=256", "tensorboard=false", "save_every=1")
-    overrides = [
-        f"env={ENV}", "name=run", f"runs_dir={runs_dir}", "iterations=1", "baselines=[rft]", "progress=false",
-        "num_threads=1", "tensorboard=false", "seed=3",
-        f"model.name_or_path={model_dir}", "model.precision=fp32", "model.device=cpu",
-        "prompt.max_prompt_tokens=512", "prompt.reserve_action_tokens=16", f"bc.data.train_path={experts}",
-        *(f"{section}.{item}" for section in ("bc", "policy", "rft") for item in train),
-        "rollout.limit=2", "rollout.agent.max_turns=3", "rollout.agent.max_new_tokens=8",
-        "eval.splits=[seen]", "eval.limit=2", "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8",
-        f"buffer.expert_path={experts}", "critic.epochs=1", "critic.feature_cache=false", "critic.head_hidden=16",
-        "critic.device=cpu", "critic.retrospective.enabled=false", "critic.checkpoint_every_steps=1",
-        "critic.diagnostics.folds=0", "probe.states=0", *extra,
-    ]
-    return load_config(EvolveConfig, None, overrides)
-
-
-def children() -> dict[int, str]:
-    """The processes this test process started, still running: pid -> command line."""
-    out = {}
-    for child in psutil.Process().children(recursive=True):
-        try:
-            out[child.pid] = " ".join(child.cmdline())
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def stages(root: Path) -> dict[str, dict]:
-    return {stage["name"]: stage for stage in json.loads((root / "manifest.json").read_text())["stages"]}
-
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.rglob("*.safetensors")):
-        out.update({f"{path.relative_to(folder)}:{key}": value for key, value in load_file(path).items()})
-    assert out, f"no weights in {folder}"
-    return out
-
-
-def without_logprobs(record: dict) -> tuple[dict, list[float]]:
-    logprobs = [p for turn in record["turns"] for p in (turn.pop("action_logprobs", None) or [])]
-    return record, logprobs
-
-
-def assert_same_trajectories(a: Path, b: Path) -> None:
-    left = [without_logprobs(episode_record(ep)) for ep in sorted_episodes(read_episodes(a))]
-    right = [without_logprobs(episode_record(ep)) for ep in sorted_episodes(read_episodes(b))]
-    assert [r for r, _ in left] == [r for r, _ in right]
-    for (_, x), (_, y) in zip(left, right):
-        torch.testing.assert_close(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64),
-                                   **LOGPROB_TOL)
-
-
-@pytest.fixture(scope="module")
-def in_process(experts, tiny_model_dir, tmp_path_factory) -> Path:
-    runs = tmp_path_factory.mktemp("in-process")
-    run_evolve(tiny_config(runs, experts, tiny_model_dir), log=lambda line: None)
-    return runs / "run"
-
-
-def test_the_processes_of_a_training_stage(experts, tiny_model_dir, tmp_path):
+def test_the_processes_of_a_training_stage(counter_experts, tiny_model_dir, tmp_path):
     from qevolve.config import ConfigError
     from qevolve.evolve.stages import bc_stage, critic_stage, eto_stage, policy_stage, rft_stage, stage_processes
 
-    config = tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=4")
+    config = tiny_config(tmp_path, counter_experts, tiny_model_dir, "distributed.nproc_per_node=4")
     assert config.distributed.processes() == 4
     for stage in (bc_stage, critic_stage, rft_stage):
         assert stage_processes(stage, config, {}, 4) == 4
@@ -151,29 +42,33 @@ def test_the_processes_of_a_training_stage(experts, tiny_model_dir, tmp_path):
     assert stage_processes(eto_stage, config, {}, 4) == 1
     assert stage_processes(policy_stage, config, {"policy": config.eto}, 4) == 1
     if not torch.cuda.is_available():
-        assert tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=auto").distributed.processes() == 1
+        auto = tiny_config(tmp_path, counter_experts, tiny_model_dir, "distributed.nproc_per_node=auto")
+        assert auto.distributed.processes() == 1
     with pytest.raises(ConfigError, match="nproc_per_node"):
-        tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=0")
+        tiny_config(tmp_path, counter_experts, tiny_model_dir, "distributed.nproc_per_node=0")
 
 
-def test_one_launched_process_records_what_the_evolve_process_does(in_process, experts, tiny_model_dir, tmp_path,
-                                                                   monkeypatch):
+def test_one_launched_process_records_what_the_evolve_process_does(evolve_reference_run, counter_experts,
+                                                                   tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(stage_worker, "LAUNCH_ONE_PROCESS", True)
     messages: list[str] = []
-    run_evolve(tiny_config(tmp_path, experts, tiny_model_dir, "iterations=0", "baselines=[]"), log=messages.append)
+    run_evolve(tiny_config(tmp_path, counter_experts, tiny_model_dir, "iterations=0", "baselines=[]"),
+               log=messages.append)
     assert any("--nproc_per_node 1 -m qevolve.evolve.stage_worker run" in line for line in messages)
-    launched, reference = stages(tmp_path / "run"), stages(in_process)
+    launched, reference = stages(tmp_path / "run"), stages(evolve_reference_run)
     assert list(launched) == ["bc", "bc/eval_seen"]
     for name, stage in launched.items():
         assert stage == reference[name], name
     assert not list((tmp_path / "run" / "bc").glob(".stage_*"))  # the request and the result are gone
 
 
-def test_two_processes_give_the_same_trajectories_and_weights_within_ddp_tolerance(in_process, experts,
-                                                                                  tiny_model_dir, tmp_path):
+def test_two_processes_give_the_same_trajectories_and_weights_within_ddp_tolerance(evolve_reference_run,
+                                                                                  counter_experts, tiny_model_dir,
+                                                                                  tmp_path):
     messages: list[str] = []
-    run_evolve(tiny_config(tmp_path, experts, tiny_model_dir, "distributed.nproc_per_node=2"), log=messages.append)
-    two, one = stages(tmp_path / "run"), stages(in_process)
+    run_evolve(tiny_config(tmp_path, counter_experts, tiny_model_dir, "distributed.nproc_per_node=2"),
+               log=messages.append)
+    two, one = stages(tmp_path / "run"), stages(evolve_reference_run)
     assert list(two) == list(one)
     assert sum("--nproc_per_node 2 -m qevolve.evolve.stage_worker run" in line for line in messages) == len(TRAINING)
     for name in two:
@@ -181,9 +76,9 @@ def test_two_processes_give_the_same_trajectories_and_weights_within_ddp_toleran
         assert set(two[name]["metrics"]) == set(one[name]["metrics"]), name
     for name in ("iter_1/rollouts", "bc/eval_seen", "iter_1/eval_seen", "iter_1/rft/eval_seen"):
         trajectories = two[name]["outputs"]["trajectories"]
-        assert_same_trajectories(tmp_path / "run" / trajectories, in_process / trajectories)
+        assert_same_trajectories(tmp_path / "run" / trajectories, evolve_reference_run / trajectories)
     for name in ("bc", "iter_1/policy", "iter_1/rft/policy"):
-        got, want = weights(tmp_path / "run" / name / "final"), weights(in_process / name / "final")
+        got, want = weights(tmp_path / "run" / name / "final"), weights(evolve_reference_run / name / "final")
         assert list(got) == list(want)
         for key in want:
             torch.testing.assert_close(got[key], want[key], **WEIGHT_TOL, msg=lambda m, key=key: f"{name} {key}: {m}")
@@ -192,7 +87,7 @@ def test_two_processes_give_the_same_trajectories_and_weights_within_ddp_toleran
         assert value == pytest.approx(one["iter_1/critic"]["metrics"][key], rel=1e-4, abs=1e-5), key
 
 
-def test_a_failing_or_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(experts, tiny_model_dir,
+def test_a_failing_or_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(counter_experts, tiny_model_dir,
                                                                                     tmp_path, monkeypatch):
     hook, fired = tmp_path / "hook", tmp_path / "fired"
     hook.mkdir()
@@ -202,7 +97,7 @@ def test_a_failing_or_killed_rank_fails_the_stage_on_one_line_and_resume_finishe
     monkeypatch.setenv("QEVOLVE_TEST_FAULT_DIR", str(fired))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     # bc: 3 steps, a checkpoint after each
-    config = tiny_config(tmp_path / "runs", experts, tiny_model_dir, "iterations=0", "baselines=[]",
+    config = tiny_config(tmp_path / "runs", counter_experts, tiny_model_dir, "iterations=0", "baselines=[]",
                          "distributed.nproc_per_node=2", "bc.max_steps=3")
     root = tmp_path / "runs" / "run"
     # (processes of this test session that outlive their fixtures, e.g. multiprocessing's resource tracker)

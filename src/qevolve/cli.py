@@ -899,6 +899,9 @@ def evolve(
     dry_run: bool = typer.Option(False, "--dry-run", help="list the stages the run would run, each stage's config "
                                  "built and validated, without loading a model, starting an environment or "
                                  "writing the run folder"),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="this machine's node in a run over several "
+                                  "nodes (distributed.nnodes): 0 runs the loop; 1 to nnodes-1 only join its "
+                                  "training stages (start them with the same config and overrides)"),
     show: bool = show_config_option(),
     defaults: bool = defaults_option(),
 ) -> None:
@@ -911,7 +914,14 @@ def evolve(
         overrides.append(f"seeds={parse_seeds(seeds)}")
     show_config("evolve", EvolveConfig, show, defaults, lambda: load_config(EvolveConfig, config, overrides),
                 ["fields the loop sets itself are comments saying what decides them", *recipe_notes()])
+    if node_rank > 0:
+        follow_node_zero(load_config(EvolveConfig, config, overrides), node_rank, seeds, resume, redo, dry_run)
+        return
     replicates = seed_replicates(load_config(EvolveConfig, config, overrides))
+    if len(replicates) > 1 and replicates[0].distributed.nnodes > 1:
+        # the followers join one run folder's training stages
+        raise typer.BadParameter("seed replicates (--seeds, or the config's seeds) run over one node only; over "
+                                 "several nodes run one seed at a time", param_hint="--seeds")
     if dry_run:
         for cfg in replicates:
             typer.echo(f"dry run of {cfg.runs_dir}/{cfg.name}: the stages it would run, in order")
@@ -934,6 +944,32 @@ def evolve(
         folders = " ".join(str(Path(c.runs_dir) / c.name) for c in replicates)
         typer.echo(f"\nevery seed's run is done; compare them: qevolve compare {folders} --output "
                    f"{Path(replicates[0].runs_dir) / replicates[0].name.rsplit('-s', 1)[0]}-seeds")
+
+
+def follow_node_zero(cfg: Any, node_rank: int, seeds: Optional[str], resume: bool, redo: Optional[str],
+                     dry_run: bool) -> None:
+    """``qevolve evolve --node-rank R`` (R > 0): this node joins the training stages node 0 launches."""
+    from qevolve.evolve.nodes import FollowerError, follow
+
+    given = [option for option, value in (("--seeds", seeds), ("--resume", resume), ("--redo", redo),
+                                          ("--dry-run", dry_run)) if value]
+    if given:
+        # node 0 decides what runs (and resumes); a follower only joins its training stages
+        raise typer.BadParameter(f"{', '.join(given)}: give it to node 0's command only, not with --node-rank "
+                                 f"{node_rank}", param_hint="--node-rank")
+    if cfg.seeds:
+        raise typer.BadParameter("the config's seeds: a run over several nodes runs one seed (set seeds: null)",
+                                 param_hint="--node-rank")
+    try:
+        # SIGTERM ends this process the default way: its launcher and ranks end with it (parent-death signal)
+        follow(cfg, node_rank, log=typer.echo)
+    except FollowerError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        typer.echo(f"node {node_rank}: interrupted; node 0's stage fails with it (continue both with node 0's "
+                   "--resume and this command)", err=True)
+        raise typer.Exit(130)
 
 
 def recipe_notes() -> list[str]:

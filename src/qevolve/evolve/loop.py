@@ -14,7 +14,8 @@ an uninterrupted one would.
 
 With ``distributed.nproc_per_node`` above 1 every training stage runs as that many processes under
 torch's launcher (:mod:`qevolve.evolve.stage_worker`), with the same seed, inputs and options; the
-other stages stay in this process.
+other stages stay in this process. With ``distributed.nnodes`` above 1 this process is node 0: the
+other nodes' followers join each training stage it announces (:mod:`qevolve.evolve.nodes`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from qevolve.buffer.metrics import FailedEpisodesError
 from qevolve.config import strip_derived
 from qevolve.evaluation.compare import online_budgets, success_table
 from qevolve.evolve import stage_worker
+from qevolve.evolve.nodes import LaunchAnnouncer
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
 from qevolve.evolve.run_dir import RunDirectory, StageRecord
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
@@ -316,8 +318,10 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print) -> 
         resumable = getattr(stage, "resumable", False)
         planned.append(PlannedStage(name, stage_processes(stage, config, options, processes) if resumable else None))
         count = planned[-1].processes
+        spans_nodes = config.distributed.nnodes > 1 and resumable and stage_processes(stage, config, options, 2) > 1
+        nodes = f"{config.distributed.nnodes} nodes x " if spans_nodes else ""
         log(f"  {name}" + ("" if count is None else
-                           f"  (training: {count} process{'es' if count > 1 else ''})"))
+                           f"  (training: {nodes}{count} process{'es' if count > 1 else ''})"))
         return StageRecord(name, dict(inputs), _PlannedOutputs(name), {})
 
     run = Run(config, root, log, plan_stage, probe_experts=probe_store(config) if config.probe.states else None,
@@ -407,7 +411,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                                workdir=workdir)
             try:
                 if launched:
-                    outputs, metrics = stage_worker.launch_stage(ctx, stage, inputs, options, count, threads)
+                    outputs, metrics = stage_worker.launch_stage(
+                        ctx, stage, inputs, options, count, threads,
+                        announce=announcer.launch if announcer is not None else None)
                 else:
                     outputs, metrics = stage(ctx, inputs, **options)
             except FailedEpisodesError as err:  # name the stage; it is not recorded, so a fixed rerun redoes it
@@ -424,8 +430,10 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         resumable = getattr(stage, "resumable", False)
         # a training stage in `processes` processes under torch's launcher (see qevolve.evolve.stage_worker)
         count = stage_processes(stage, config, options, processes) if resumable else 1
-        launched = resumable and (count > 1 or stage_worker.LAUNCH_ONE_PROCESS)
-        if resumable and count < processes and directory.completed(name) is None:
+        # over several nodes every training stage that can train in several processes is launched on all of them
+        single = resumable and stage_processes(stage, config, options, 2) == 1  # DPO
+        launched = resumable and (count > 1 or stage_worker.LAUNCH_ONE_PROCESS or (nnodes > 1 and not single))
+        if single and (processes > 1 or nnodes > 1) and directory.completed(name) is None:
             log(f"[{name}] trains in one process (DPO does), in this process")
         record = directory.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log,
                                      resumable=resumable)
@@ -440,9 +448,16 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     run = Run(config, root, log, run_stage, probe_experts=probe_store(config) if config.probe.states else None)
     if config.probe.states and run.probe_experts is None:
         log("format probe skipped: no expert store to draw its states from (set bc.data.train_path)")
+    nnodes = config.distributed.nnodes
+    # node 0 of several: the other nodes' followers join the training stages it announces (qevolve.evolve.nodes)
+    announcer = LaunchAnnouncer(root) if nnodes > 1 else None
+    finished = False
     try:
         qevolve(run)
+        finished = True
     finally:
+        if announcer is not None:
+            announcer.end(finished)
         loggers.close()
         directory.close()
 

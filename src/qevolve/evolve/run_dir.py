@@ -77,6 +77,7 @@ LOCATION_FIELDS = ("name", "runs_dir", "progress")
 #: (float sums in another order; its checkpoints resume with any process count).
 RESUME_FREE_FIELDS = (
     "num_threads", "model.num_threads", "tensorboard", "wandb", "distributed.nproc_per_node",
+    "distributed.nnodes", "distributed.master_addr", "distributed.master_port", "distributed.join_timeout_s",
     "keep_finished_checkpoints",
     *(f"{part}.agent.{field}" for part in ("rollout", "eval")
       for field in ("num_workers", "pool.ray_address", "pool.ray_cpus_per_worker")),

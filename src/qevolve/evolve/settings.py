@@ -89,11 +89,31 @@ class LaunchSettings(StageConfig):
         "run folder (DDP/FSDP as each section's distributed.backend says) while rollouts, evaluations, the buffer "
         "and the labels stay in the evolve process; 1: every stage in the evolve process; auto: one per visible "
         "CUDA GPU (1 without one)")
+    nnodes: int = Field(
+        1, description="machines (nodes) that run each training stage together, nproc_per_node processes on each: "
+        "1: this machine only (torch's --standalone launcher); more: the evolve process is node 0 and every other "
+        "node runs `qevolve evolve --config SAME --node-rank R`, which joins each training stage through torch's "
+        "static rendezvous at master_addr:master_port; all nodes need the run folder on a shared file system")
+    master_addr: str | None = Field(
+        None, description="host name or address of node 0 (where `qevolve evolve` runs without --node-rank), "
+        "reachable from every node; required when nnodes is above 1")
+    master_port: int = Field(29500, description="TCP port on master_addr where node 0's launcher waits for the "
+                             "other nodes at every training stage (free on node 0, open between the nodes)")
+    join_timeout_s: float = Field(600.0, description="seconds a training stage waits for all nnodes nodes to join "
+                                  "it before it fails (the rendezvous timeout, whole seconds)")
 
     @model_validator(mode="after")
     def _positive(self) -> "LaunchSettings":
         if self.nproc_per_node != "auto" and self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={self.nproc_per_node}: expected auto or a count of at least 1")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes={self.nnodes}: expected a count of at least 1")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError(f"nnodes={self.nnodes} needs master_addr: the host of node 0, reachable from every node")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port={self.master_port}: expected a TCP port from 1 to 65535")
+        if not self.join_timeout_s >= 1:
+            raise ValueError(f"join_timeout_s={self.join_timeout_s}: expected at least 1 second")
         return self
 
     def processes(self) -> int:

@@ -18,6 +18,12 @@ A rank that raises or dies fails the stage with one line naming the stage and th
 exception as ``record`` wrote it, or the signal that ended it); the launcher stops the other
 ranks, and the stage's work folder keeps its checkpoints for ``--resume``. The launcher and the
 ranks end with the evolve process (``PR_SET_PDEATHSIG``), so a killed run leaves none behind.
+
+Over several nodes (``distributed.nnodes``) each node runs this launcher with torch's static
+rendezvous instead of ``--standalone`` (:func:`launcher_arguments`): node 0 from the evolve process,
+the others from their followers (:mod:`qevolve.evolve.nodes`). Each node's launcher records its first
+failure in a file of its own (:func:`failure_file`), and node 0 names the one that caused the stage's
+end (a rank's own error before a node stopped from outside, before ranks that lost a peer).
 """
 
 from __future__ import annotations
@@ -111,9 +117,12 @@ def _die_with_parent(sig: int) -> None:
 
 
 def launch_stage(ctx: Any, stage: Callable[..., Any], inputs: dict[str, str], options: dict[str, Any],
-                 nproc: int, threads: int) -> tuple[dict[str, str], dict[str, Any]]:
+                 nproc: int, threads: int,
+                 announce: Callable[[Path | None], None] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
     """Run ``stage(ctx, inputs, **options)`` as ``nproc`` processes under torch's launcher; returns rank 0's
-    outputs and metrics. Raises :class:`StageFailedError` when a rank fails."""
+    outputs and metrics. Raises :class:`StageFailedError` when a rank fails. With ``distributed.nnodes``
+    above 1 this is node 0's launcher: ``announce(request)`` tells the other nodes to join the stage before
+    it starts, ``announce(None)`` that it ended."""
     from qevolve.atomic_io import write_json_atomic
     from qevolve.evolve.settings import EvolveSettings
 
@@ -128,19 +137,22 @@ def launch_stage(ctx: Any, stage: Callable[..., Any], inputs: dict[str, str], op
         "config": config,
         "options": {key: _encode_option(ctx.name, key, value) for key, value in options.items()},
     }
-    for leftover in (RESULT, FAILURE):
+    nnodes = ctx.config.distributed.nnodes
+    for leftover in (RESULT, *failure_files(nnodes)):
         (workdir / leftover).unlink(missing_ok=True)
     write_json_atomic(workdir / REQUEST, request)
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                          "TORCHELASTIC_ERROR_FILE")}
-    env["PYTHONPATH"] = os.pathsep.join([_package_path(), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    env["PYTHONUNBUFFERED"] = "1"
-    command = [sys.executable, "-m", "qevolve.evolve.stage_worker", "launch", str(nproc), str(workdir / REQUEST)]
-    ctx.log(f"[{ctx.name}] {nproc} processes: python -m torch.distributed.run --standalone "
-            f"--nproc_per_node {nproc} -m qevolve.evolve.stage_worker run {workdir / REQUEST}")
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    if nnodes == 1:
+        ctx.log(f"[{ctx.name}] {nproc} processes: python -m torch.distributed.run --standalone "
+                f"--nproc_per_node {nproc} -m qevolve.evolve.stage_worker run {workdir / REQUEST}")
+    else:
+        settings = ctx.config.distributed
+        ctx.log(f"[{ctx.name}] {nnodes} nodes x {nproc} processes: python -m torch.distributed.run --nnodes {nnodes} "
+                f"--node_rank 0 --master_addr {settings.master_addr} --master_port {settings.master_port} "
+                f"--nproc_per_node {nproc} -m qevolve.evolve.stage_worker run {workdir / REQUEST} (nodes 1 to "
+                f"{nnodes - 1} join it from `qevolve evolve --node-rank R`)")
+    if announce is not None:
+        announce(workdir / REQUEST)
+    process = start_launcher(nproc, workdir / REQUEST, threads)
     try:
         assert process.stdout is not None
         for line in process.stdout:  # rank 0's log lines (and whatever the ranks print)
@@ -148,10 +160,13 @@ def launch_stage(ctx: Any, stage: Callable[..., Any], inputs: dict[str, str], op
         code = process.wait()
     except BaseException:
         # Ctrl-C, SIGTERM: the launcher stops its ranks when it gets SIGTERM; kill it if it does not end.
-        _stop(process)
+        stop_launcher(process)
         raise
+    finally:
+        if announce is not None:
+            announce(None)
     if code != 0:
-        raise StageFailedError(_failure_line(ctx.name, workdir, code))
+        raise StageFailedError(_failure_line(ctx.name, workdir, code, nnodes))
     try:
         result = json.loads((workdir / RESULT).read_text())
     except (OSError, ValueError) as error:
@@ -162,7 +177,31 @@ def launch_stage(ctx: Any, stage: Callable[..., Any], inputs: dict[str, str], op
     return result["outputs"], result["metrics"]
 
 
-def _stop(process: subprocess.Popen) -> None:
+def start_launcher(nproc: int, request: Path, threads: int, node_rank: int = 0,
+                   stdout: int | None = subprocess.PIPE) -> subprocess.Popen:
+    """``python -m qevolve.evolve.stage_worker launch NPROC REQUEST NODE_RANK``, with the package first on its
+    PYTHONPATH and none of an enclosing launcher's rank variables."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                          "TORCHELASTIC_ERROR_FILE")}
+    env["PYTHONPATH"] = os.pathsep.join([_package_path(), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env["PYTHONUNBUFFERED"] = "1"
+    command = [sys.executable, "-m", "qevolve.evolve.stage_worker", "launch", str(nproc), str(request),
+               str(node_rank)]
+    return subprocess.Popen(command, env=env, stdout=stdout, text=True, bufsize=1)
+
+
+def failure_file(node_rank: int) -> str:
+    """The file a node's launcher records its first failure in (node 0: FAILURE)."""
+    return FAILURE if node_rank == 0 else f".stage_failure.node{node_rank}.json"
+
+
+def failure_files(nnodes: int) -> list[str]:
+    return [failure_file(node) for node in range(nnodes)]
+
+
+def stop_launcher(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()
         try:
@@ -172,38 +211,102 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _failure_line(name: str, workdir: Path, code: int) -> str:
-    try:
-        failure = json.loads((workdir / FAILURE).read_text())
-    except (OSError, ValueError):
+#: how long node 0 waits for the other nodes' failure records when its own names no cause (its ranks only
+#: lost a peer): the other nodes' launchers write theirs once their ranks have ended
+OTHER_NODES_WAIT_S = 15.0
+
+
+def _read_failures(workdir: Path, nnodes: int) -> list[dict[str, Any]]:
+    records = []
+    for node in range(nnodes):
+        try:
+            records.append(json.loads((workdir / failure_file(node)).read_text()))
+        except (OSError, ValueError):
+            pass
+    return records
+
+
+def _failure_line(name: str, workdir: Path, code: int, nnodes: int = 1) -> str:
+    """The stage's one line: the failure that caused it, over all nodes' records (a rank's own error before
+    a node stopped from outside, before a rank that lost its peer, before a rank its launcher stopped)."""
+    import time
+
+    records = _read_failures(workdir, nnodes)
+    deadline = time.monotonic() + OTHER_NODES_WAIT_S
+    while (nnodes > 1 and len(records) < nnodes and not any(r.get("kind", 0) == 0 for r in records)
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+        records = _read_failures(workdir, nnodes)
+    if not records:
         return f"stage {name}: the launcher failed (exit code {code}) before any rank reported; see its output above"
+    failure = min(records, key=lambda r: (r.get("kind", 0), r.get("timestamp", 0), r.get("node", 0)))
+    if failure["rank"] is None:
+        return f"stage {name}: node {failure.get('node', 0)} of {nnodes} failed: {failure['reason']}"
     return f"stage {name}: rank {failure['rank']} of {failure['world_size']} failed: {failure['reason']}"
 
 
 # ------------------------------------------------------------------------------------------ the launcher
 
 
-def launch_main(nproc: int, request_path: str) -> int:
-    """torch's launcher (``torch.distributed.run``) over the stage; the first failure goes to FAILURE."""
+#: a failure record's kind, the order in which node 0 prefers them as the stage's cause
+CAUSE, NODE_STOPPED, PEER_LOST, STOPPED_BY_LAUNCHER = 0, 1, 2, 3
+
+
+def launcher_arguments(nproc: int, request_path: str, node_rank: int, settings: Any) -> list[str]:
+    """torch.distributed.run's arguments for one node of the stage: ``--standalone`` on one node; torch's
+    static rendezvous (node 0 hosts the store at master_addr:master_port and waits join_timeout_s for the
+    others) on several."""
+    if settings.nnodes == 1:
+        nodes = ["--standalone"]
+    else:
+        nodes = [f"--nnodes={settings.nnodes}", f"--node_rank={node_rank}", f"--master_addr={settings.master_addr}",
+                 f"--master_port={settings.master_port}", "--rdzv_backend=static",
+                 f"--rdzv_conf=timeout={max(int(settings.join_timeout_s), 1)}"]
+    return [*nodes, f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.5",
+            "-m", "qevolve.evolve.stage_worker", "run", request_path]
+
+
+def launch_main(nproc: int, request_path: str, node_rank: int = 0) -> int:
+    """torch's launcher (``torch.distributed.run``) over this node's ranks of the stage; its first failure
+    goes to the node's failure file (:func:`failure_file`)."""
+    import time
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from qevolve.atomic_io import write_json_atomic
+    from qevolve.evolve.settings import LaunchSettings
+
     _die_with_parent(signal.SIGTERM)
     workdir = Path(request_path).parent
-    args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.5",
-                       "-m", "qevolve.evolve.stage_worker", "run", request_path])
+    settings = LaunchSettings.model_validate(json.loads(Path(request_path).read_text())["config"]["distributed"])
+    world_size = nproc * settings.nnodes
+
+    def record(rank: int | None, kind: int, reason: str, exitcode: int | None = None, timestamp: float = 0) -> None:
+        write_json_atomic(workdir / failure_file(node_rank),
+                          {"rank": rank, "world_size": world_size, "exitcode": exitcode, "reason": reason,
+                           "kind": kind, "node": node_rank, "timestamp": timestamp or int(time.time())})
+
+    args = parse_args(launcher_arguments(nproc, request_path, node_rank, settings))
     try:
         run(args)
     except SignalException as error:  # stopped (the evolve process was interrupted): the ranks are stopped too
+        if settings.nnodes > 1 and node_rank > 0:  # a node stopped from outside ends the stage on every node
+            record(node_rank * nproc, NODE_STOPPED,
+                   f"node {node_rank}'s launcher was stopped by {signal.Signals(int(error.sigval)).name}")
         return 128 + int(error.sigval)
     except ChildFailedError as error:
         rank, failure = first_failure(error.failures)
-        reason = failure_reason(failure)
-        from qevolve.atomic_io import write_json_atomic
-
-        write_json_atomic(workdir / FAILURE, {"rank": rank, "world_size": nproc, "exitcode": failure.exitcode,
-                                              "reason": reason})
+        kind = {0: CAUSE, 1: PEER_LOST, 2: STOPPED_BY_LAUNCHER}[_follower_kind(failure)]
+        record(rank, kind, failure_reason(failure), failure.exitcode, failure.timestamp)
+        return 1
+    except Exception as error:  # noqa: BLE001 - the rendezvous (a node that never joined), the store, ...
+        if settings.nnodes == 1:
+            raise
+        record(None, PEER_LOST if node_rank > 0 else CAUSE,
+               f"its launcher failed before its ranks ran or after they did: {type(error).__name__}: "
+               + " ".join(str(error).split())[:500])
         return 1
     return 0
 
@@ -228,16 +331,16 @@ def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     """The rank whose failure ended the stage, and its ``ProcessFailure``. The launcher's own rule is the
     earliest, but its timestamps are whole seconds, so the ranks that only followed a failure come after the
     others: those the launcher stopped (SIGTERM) and those whose collective broke because a peer died."""
-    stopped = -int(signal.SIGTERM)
     order = list(failures)
-
-    def follower(failure: Any) -> int:
-        if failure.exitcode == stopped:
-            return 2
-        return 1 if failure.exitcode > 0 and _PEER_LOST.search(failure_reason(failure)) else 0
-
-    rank = min(order, key=lambda r: (follower(failures[r]), failures[r].timestamp, order.index(r)))
+    rank = min(order, key=lambda r: (_follower_kind(failures[r]), failures[r].timestamp, order.index(r)))
     return rank, failures[rank]
+
+
+def _follower_kind(failure: Any) -> int:
+    """0: a cause; 1: a rank whose collective broke because a peer died; 2: a rank its launcher stopped."""
+    if failure.exitcode == -int(signal.SIGTERM):
+        return 2
+    return 1 if failure.exitcode > 0 and _PEER_LOST.search(failure_reason(failure)) else 0
 
 
 # ------------------------------------------------------------------------------------------ a rank
@@ -276,14 +379,14 @@ def run_main(request_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 3 and argv[0] == "launch":
-        return launch_main(int(argv[1]), argv[2])
+    if len(argv) in (3, 4) and argv[0] == "launch":
+        return launch_main(int(argv[1]), argv[2], int(argv[3]) if len(argv) == 4 else 0)
     if len(argv) == 2 and argv[0] == "run":
         from torch.distributed.elastic.multiprocessing.errors import record
 
         record(run_main)(argv[1])
         return 0
-    print("usage: python -m qevolve.evolve.stage_worker launch NPROC REQUEST | run REQUEST", file=sys.stderr)
+    print("usage: python -m qevolve.evolve.stage_worker launch NPROC REQUEST [NODE_RANK] | run REQUEST", file=sys.stderr)
     return 2
 
 
