@@ -377,6 +377,22 @@ def memory_lifecycle(stages: list[dict], allocated_before_mb: int | None) -> dic
             "allocated_before_mb": allocated_before_mb}
 
 
+def loop_overrides(runs_dir: Path, experts: Path, model: Path, device: str, backend: str,
+                   vllm_memory: float) -> list[str]:
+    """The tiny loop's config overrides: the library's tiny loop, every policy probed on 2 states, and where it
+    generates with vLLM, engines of ``vllm_memory`` of the GPU."""
+    from qevolve.testing import tiny_evolve_overrides
+
+    overrides = tiny_evolve_overrides(runs_dir, experts, model, device=device, backend=backend)
+    overrides.append("probe.states=2")
+    if backend == "vllm":
+        # the loop checks that engines come and go, not their speed: eager engines start in seconds
+        overrides += [f"{section}.agent.vllm.{item}" for section in ("rollout", "eval")
+                      for item in ("enforce_eager=true", f"gpu_memory_utilization={vllm_memory}",
+                                   "max_model_len=1024")]
+    return overrides
+
+
 def loop_check(device: torch.device, args, deadline: float) -> dict:
     """The whole tiny evolve loop on ``device`` in a temporary run folder: its stages' timings, whether it
     finished, its success table and the GPU memory lifecycle (see the module's docstring)."""
@@ -385,7 +401,7 @@ def loop_check(device: torch.device, args, deadline: float) -> dict:
     from qevolve.evolve.run_dir import TIMINGS
     from qevolve.models.testing import save_tiny_policy
     from qevolve.rollouts.vllm_backend import vllm_available
-    from qevolve.testing import QUIET_COUNTER, tiny_evolve_overrides, write_expert_demonstrations
+    from qevolve.testing import QUIET_COUNTER, write_expert_demonstrations
 
     if time.perf_counter() > deadline:
         print("  loop: skipped (time budget)", flush=True)
@@ -405,13 +421,7 @@ def loop_check(device: torch.device, args, deadline: float) -> dict:
         model = save_tiny_policy(folder / "model", hidden_size=128, num_heads=4, num_kv_heads=2,
                                  intermediate_size=256)
         experts = write_expert_demonstrations(QUIET_COUNTER, folder / "experts.parquet")
-        overrides = tiny_evolve_overrides(folder / "runs", experts, model, device=device.type, backend=backend)
-        overrides.append("probe.states=2")
-        if use_vllm:
-            # the loop checks that engines come and go, not their speed: eager engines start in seconds
-            overrides += [f"{section}.agent.vllm.{item}" for section in ("rollout", "eval")
-                          for item in ("enforce_eager=true", f"gpu_memory_utilization={args.vllm_memory}",
-                                       "max_model_len=1024")]
+        overrides = loop_overrides(folder / "runs", experts, model, device.type, backend, args.vllm_memory)
         lines: list[str] = []
         try:
             result["table"] = run_evolve(load_config(EvolveConfig, None, overrides), log=lines.append)
