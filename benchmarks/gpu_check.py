@@ -24,11 +24,21 @@ is installed, the vLLM backend (qevolve.rollouts.vllm_backend) with random ("dum
 the same shape. The two models' random weights differ, so outputs are not compared here
 (benchmarks/generation_backends.py compares them on one checkpoint).
 
-``--tiny`` runs the same code on the CPU with tiny models in seconds (a smoke test; the numbers
-mean nothing). ``--budget`` (seconds) skips what would start after it, saying so.
+``--full`` then runs the whole tiny ``qevolve evolve`` loop on the device (BC, rollouts, buffer,
+critic, labels, policy update, probes and evaluations, and the rft baseline) on the counter testing
+environment, with a tiny random model written to a temporary folder: every stage on the GPU,
+generation with vLLM where it is installed (else HF). It reports each stage's wall seconds, peak
+resident memory and peak GPU memory (the run's ``timings.jsonl``), whether the loop finished, its
+success table, and the GPU memory lifecycle: the memory in use when each stage after a generating
+stage started, i.e. whether the vLLM engine (or the HF model) was released before training.
 
-    python benchmarks/gpu_check.py                 # on the GPU machine
-    python benchmarks/gpu_check.py --tiny          # anywhere
+``--tiny`` runs the same code on the CPU with tiny models in seconds (a smoke test; the numbers
+mean nothing; with ``--full`` the loop runs with HF on the CPU). ``--budget`` (seconds) skips what
+would start after it, saying so; with ``--full``, ``--loop-seconds`` of it are kept for the loop.
+``--json`` writes every result, ``--markdown`` one table file ready to paste into docs/gpu.md.
+
+    python benchmarks/gpu_check.py --full --json gpu_check.json --markdown gpu_check.md   # on the GPU machine
+    python benchmarks/gpu_check.py --tiny --full                                          # anywhere
 """
 
 from __future__ import annotations
@@ -45,7 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if SRC.is_dir() and str(SRC) not in sys.path:
@@ -335,6 +344,165 @@ def generation_rows(spec: Spec, device: torch.device, args, deadline: float) -> 
     return rows
 
 
+#: the GPU memory (MiB, torch's allocations in this process) a stage may start with above what was in use
+#: before the loop and still count the previous stage's engine or model as released: CUDA graphs' pools,
+#: the tiny model's weights and optimizer leftovers are far below it; a vLLM engine's KV cache far above.
+RELEASED_SLACK_MB = 512
+
+
+def generates(stage: str) -> bool:
+    """Whether the loop's stage of this name generates (rollouts, probes, evaluations): the stages the loop
+    may let keep the vLLM engine, as qevolve.evolve.stages marks them."""
+    leaf = stage.rpartition("/")[2]
+    return leaf in ("rollouts", "probe") or leaf.startswith("eval_")
+
+
+def memory_lifecycle(stages: list[dict], allocated_before_mb: int | None) -> dict:
+    """The GPU memory each stage that follows a generating stage and does not generate itself started with,
+    against what this process had allocated before the loop: ``released`` where every such stage started
+    within RELEASED_SLACK_MB of it; None (with why) where nothing was measured (no CUDA)."""
+    checked = []
+    for previous, stage in zip(stages, stages[1:]):
+        if generates(previous["stage"]) and not generates(stage["stage"]) and "gpu_mb_at_start" in stage:
+            checked.append({"stage": stage["stage"], "after": previous["stage"],
+                            "gpu_mb_at_start": stage["gpu_mb_at_start"],
+                            "gpu_used_mb_at_start": stage.get("gpu_used_mb_at_start")})
+    if allocated_before_mb is None or not checked:
+        return {"released": None, "stages": checked,
+                "why": "not measured: the loop did not use CUDA" if allocated_before_mb is None
+                else "no stage after a generating stage recorded its GPU memory"}
+    for row in checked:
+        row["released"] = row["gpu_mb_at_start"] <= allocated_before_mb + RELEASED_SLACK_MB
+    return {"released": all(row["released"] for row in checked), "stages": checked,
+            "allocated_before_mb": allocated_before_mb}
+
+
+def loop_overrides(runs_dir: Path, experts: Path, model: Path, device: str, backend: str,
+                   vllm_memory: float) -> list[str]:
+    """The tiny loop's config overrides: the library's tiny loop, every policy probed on 2 states, and where it
+    generates with vLLM, engines of ``vllm_memory`` of the GPU."""
+    from qevolve.testing import tiny_evolve_overrides
+
+    overrides = tiny_evolve_overrides(runs_dir, experts, model, device=device, backend=backend)
+    overrides.append("probe.states=2")
+    if backend == "vllm":
+        # the loop checks that engines come and go, not their speed: eager engines start in seconds
+        overrides += [f"{section}.agent.vllm.{item}" for section in ("rollout", "eval")
+                      for item in ("enforce_eager=true", f"gpu_memory_utilization={vllm_memory}",
+                                   "max_model_len=1024")]
+    return overrides
+
+
+def loop_check(device: torch.device, args, deadline: float) -> dict:
+    """The whole tiny evolve loop on ``device`` in a temporary run folder: its stages' timings, whether it
+    finished, its success table and the GPU memory lifecycle (see the module's docstring)."""
+    from qevolve.config import load_config
+    from qevolve.evolve.loop import EvolveConfig, run_evolve
+    from qevolve.evolve.run_dir import TIMINGS
+    from qevolve.models.testing import save_tiny_policy
+    from qevolve.rollouts.vllm_backend import vllm_available
+    from qevolve.testing import QUIET_COUNTER, write_expert_demonstrations
+
+    if time.perf_counter() > deadline:
+        print("  loop: skipped (time budget)", flush=True)
+        return {"skipped": "time budget"}
+    use_vllm = device.type == "cuda" and not args.no_vllm and vllm_available()
+    backend = "vllm" if use_vllm else "hf"
+    why = ("vLLM installed" if use_vllm else "--no-vllm" if args.no_vllm else
+           "no CUDA" if device.type != "cuda" else "vLLM not installed")
+    print(f"  loop: BC, 1 iteration and rft on the counter environment, {device.type}, {backend} generation "
+          f"({why})", flush=True)
+    allocated_before = round(torch.cuda.memory_allocated(device) / 2 ** 20) if device.type == "cuda" else None
+    result: dict = {"device": device.type, "backend": backend, "backend_why": why, "finished": False}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="qevolve-gpu-check-loop-") as folder:
+        folder = Path(folder)
+        # vLLM's attention kernels take head sizes from 32 up: 128 hidden over 4 heads
+        model = save_tiny_policy(folder / "model", hidden_size=128, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=256)
+        experts = write_expert_demonstrations(QUIET_COUNTER, folder / "experts.parquet")
+        overrides = loop_overrides(folder / "runs", experts, model, device.type, backend, args.vllm_memory)
+        lines: list[str] = []
+        try:
+            result["table"] = run_evolve(load_config(EvolveConfig, None, overrides), log=lines.append)
+            result["finished"] = True
+        except Exception as error:  # noqa: BLE001 -- the check reports what failed and goes on to write its files
+            result["error"] = f"{type(error).__name__}: {error}"
+            print(f"  loop: failed: {result['error']}", flush=True)
+            for line in lines[-20:]:
+                print(f"    {line}", flush=True)
+        timings = folder / "runs" / "run" / TIMINGS
+        stages = [json.loads(line) for line in timings.read_text().splitlines()] if timings.is_file() else []
+    keep = ("stage", "seconds", "peak_rss_mb", "peak_gpu_mb", "gpu_mb_at_start", "gpu_used_mb_at_start")
+    result["stages"] = [{key: stage[key] for key in keep if key in stage} for stage in stages]
+    result["memory"] = memory_lifecycle(result["stages"], allocated_before)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    for stage in result["stages"]:
+        print(f"  {json.dumps(stage)}", flush=True)
+    print(f"  loop: {'finished' if result['finished'] else 'did not finish'} in {result['seconds']} s; "
+          f"success {json.dumps(result.get('table'))}; engine memory released before training: "
+          f"{result['memory']['released']}", flush=True)
+    return result
+
+
+def _cell(value) -> str:
+    return "" if value is None else str(value)
+
+
+def _table(columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+    """A markdown table of ``rows``: one column per (heading, key)."""
+    lines = ["| " + " | ".join(heading for heading, _ in columns) + " |",
+             "| " + " | ".join("---" for _ in columns) + " |"]
+    lines += ["| " + " | ".join(_cell(row.get(key)) for _, key in columns) + " |" for row in rows]
+    return lines
+
+
+def markdown_report(results: dict) -> str:
+    """One markdown file of the check: the header, then tables of the training steps, generation and (with
+    --full) the tiny loop's stages, its success table and memory lifecycle."""
+    header = results["header"]
+    lines = [f"### GPU check, {header['date']}", "",
+             f"{header['device']}; torch {header['torch']}, transformers {header['transformers']}, "
+             f"vLLM {header['vllm'] or 'not installed'}, Python {header['python']}"
+             + ("; `--tiny` (CPU smoke test: the numbers mean nothing)" if header["tiny"] else "")
+             + f"; bf16 matmul {results['matmul_bf16_tflops']} TFLOP/s; {results.get('seconds')} s in all.", "",
+             "Training steps:", ""]
+    lines += _table([("model", "model"), ("setting", "setting"), ("s/step", "seconds_per_step"),
+                     ("tokens/s", "tokens_per_s"), ("MFU", "mfu"), ("peak GiB", "peak_memory_gib")],
+                    results["training"])
+    lines += ["", "Generation (greedy, random prompts):", ""]
+    lines += _table([("model", "model"), ("backend", "backend"), ("batch", "batch"), ("prompt", "prompt_tokens"),
+                     ("new", "new_tokens"), ("generated", "generated_tokens"), ("s", "seconds"),
+                     ("tokens/s", "generated_tokens_per_s"), ("peak GiB", "peak_memory_gib")],
+                    results["generation"])
+    loop = results.get("loop")
+    if loop is not None:
+        lines += [""]
+        if "skipped" in loop:
+            lines += [f"The tiny evolve loop: skipped ({loop['skipped']})."]
+        else:
+            lines += [f"The tiny evolve loop ({loop['device']}, {loop['backend']} generation: {loop['backend_why']}): "
+                      + ("finished" if loop["finished"] else f"did not finish ({loop.get('error')})")
+                      + f" in {loop['seconds']} s.", ""]
+            lines += _table([("stage", "stage"), ("s", "seconds"), ("peak RSS MB", "peak_rss_mb"),
+                             ("peak GPU MB", "peak_gpu_mb"), ("GPU MB at start", "gpu_mb_at_start"),
+                             ("device MB in use at start", "gpu_used_mb_at_start")], loop["stages"])
+            if loop.get("table"):
+                splits = [key for key in loop["table"][0] if key not in ("policy", "env_steps")]
+                lines += ["", "Its success rates (a random tiny model: they check the plumbing, not learning):", ""]
+                lines += _table([("policy", "policy"), ("env steps", "env_steps"), *((s, s) for s in splits)],
+                                loop["table"])
+            memory = loop["memory"]
+            if memory["released"] is None:
+                lines += ["", f"GPU memory lifecycle: {memory['why']}."]
+            else:
+                after = ", ".join(f"{row['stage']} {row['gpu_mb_at_start']} MB" for row in memory["stages"])
+                lines += ["", f"GPU memory lifecycle: {'released' if memory['released'] else 'NOT released'} "
+                          f"before every stage after a generating stage (torch's allocations at its start: {after}; "
+                          f"{memory['allocated_before_mb']} MB before the loop)."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny models (seconds)")
@@ -352,12 +520,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without CUDA graphs / compilation")
     parser.add_argument("--vllm-memory", type=float, default=0.5, help="vLLM gpu_memory_utilization")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later phases are skipped after it")
+    parser.add_argument("--full", action="store_true", help="then run the whole tiny evolve loop on the device")
+    parser.add_argument("--loop-seconds", type=float, default=None,
+                        help="with --full: seconds of --budget kept for the loop (default 150; --tiny 30)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--markdown", default=None, help="also write the results as markdown tables to this file")
     args = parser.parse_args(argv)
     tiny = args.tiny
     defaults = dict(models="tiny,tiny2" if tiny else "1.5b,7b", rows=2 if tiny else 4, seq_len=192 if tiny else 2048,
                     steps=1 if tiny else 3, gen_model="tiny" if tiny else "7b", gen_batches="1,2" if tiny else "1,8,32",
-                    gen_prompt=48 if tiny else 512, gen_new=6 if tiny else 128)
+                    gen_prompt=48 if tiny else 512, gen_new=6 if tiny else 128, loop_seconds=30 if tiny else 150)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -368,6 +540,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     deadline = started + args.budget
+    # the benchmarks stop early enough to leave the loop its share of the budget
+    phases_deadline = deadline - (args.loop_seconds if args.full else 0)
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not tiny:
         print("no CUDA device: run with --tiny for the CPU smoke test", file=sys.stderr)
@@ -393,13 +567,18 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"header": header, "matmul_bf16_tflops": round(peak / 1e12, 2), "training": [], "generation": []}
     for model_name in args.models.split(","):
         print(f"training steps, {model_name}: {args.rows} x {args.seq_len} tokens per batch", flush=True)
-        results["training"] += training_rows(SPECS[model_name], device, args, peak, deadline)
+        results["training"] += training_rows(SPECS[model_name], device, args, peak, phases_deadline)
     print(f"generation, {args.gen_model}: {args.gen_prompt}-token prompts, {args.gen_new} greedy new tokens", flush=True)
-    results["generation"] = generation_rows(SPECS[args.gen_model], device, args, deadline)
+    results["generation"] = generation_rows(SPECS[args.gen_model], device, args, phases_deadline)
+    if args.full:
+        print("the tiny evolve loop", flush=True)
+        results["loop"] = loop_check(device, args, deadline)
     results["seconds"] = round(time.perf_counter() - started, 1)
     print(f"done in {results['seconds']} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_report(results))
     return results
 
 

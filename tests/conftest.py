@@ -175,16 +175,9 @@ def counter_experts(tmp_path_factory) -> Path:
     """The counter testing environment's expert episodes (tests of `qevolve evolve` under torch's launcher)."""
     from evolve_launch import ENV
 
-    from qevolve.buffer.store import write_episodes
-    from qevolve.environments.episodes import EpisodeJob
-    from qevolve.environments.play import play_jobs
-    from qevolve.environments.policies import WalkthroughPolicy
+    from qevolve.testing import write_expert_demonstrations
 
-    jobs = [EpisodeJob(f"count-{n}", WalkthroughPolicy(), split="train", episode_id=f"expert/{n}")
-            for n in range(1, 6)]
-    path = tmp_path_factory.mktemp("dist-evolve") / "experts.parquet"
-    write_episodes(path, play_jobs(ENV, jobs, split="train", num_workers=1, progress=False).episodes)
-    return path
+    return write_expert_demonstrations(ENV, tmp_path_factory.mktemp("dist-evolve") / "experts.parquet")
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,9 @@ import torch
 from qevolve.buffer.store import episode_record, read_episodes, sorted_episodes
 from qevolve.config import load_config
 from qevolve.evolve.loop import EvolveConfig
+from qevolve.testing import QUIET_COUNTER, tiny_evolve_overrides
 
-ENV = "qevolve.environments.testing:QuietCounterEnv"
+ENV = QUIET_COUNTER
 WEIGHT_TOL = {"atol": 1e-5, "rtol": 1e-4}
 LOGPROB_TOL = {"atol": 1e-4, "rtol": 1e-4}
 TRAINING = ("bc", "iter_1/critic", "iter_1/policy", "iter_1/rft/policy")
@@ -53,21 +54,7 @@ if faults and folder and os.environ.get("RANK") == "1" and len(os.listdir(folder
 
 
 def tiny_config(runs_dir: Path, experts: Path, model_dir: Path, *extra: str) -> EvolveConfig:
-    # 2 micro-batches a step (about one sequence each): with 2 processes each rank takes one
-    train = ("max_steps=2", "grad_accum_steps=2", "tokens_per_batch=256", "tensorboard=false", "save_every=1")
-    overrides = [
-        f"env={ENV}", "name=run", f"runs_dir={runs_dir}", "iterations=1", "baselines=[rft]", "progress=false",
-        "num_threads=1", "tensorboard=false", "seed=3",
-        f"model.name_or_path={model_dir}", "model.precision=fp32", "model.device=cpu",
-        "prompt.max_prompt_tokens=512", "prompt.reserve_action_tokens=16", f"bc.data.train_path={experts}",
-        *(f"{section}.{item}" for section in ("bc", "policy", "rft") for item in train),
-        "rollout.limit=2", "rollout.agent.max_turns=3", "rollout.agent.max_new_tokens=8",
-        "eval.splits=[seen]", "eval.limit=2", "eval.agent.max_turns=2", "eval.agent.max_new_tokens=8",
-        f"buffer.expert_path={experts}", "critic.epochs=1", "critic.feature_cache=false", "critic.head_hidden=16",
-        "critic.device=cpu", "critic.retrospective.enabled=false", "critic.checkpoint_every_steps=1",
-        "critic.diagnostics.folds=0", "probe.states=0", *extra,
-    ]
-    return load_config(EvolveConfig, None, overrides)
+    return load_config(EvolveConfig, None, [*tiny_evolve_overrides(runs_dir, experts, model_dir, env=ENV), *extra])
 
 
 def children() -> dict[int, str]:

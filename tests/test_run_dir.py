@@ -272,3 +272,39 @@ def test_timings_record_each_stages_peak_gpu_memory_only_where_cuda_is_in_use(tm
     assert [t.get("peak_gpu_mb") for t in timings] == [300, 100, None]
     assert peak["resets"] == 2
     assert "peak_gpu_mb" not in (tmp_path / "r/manifest.json").read_text()
+
+
+def test_timings_record_the_gpu_memory_a_stage_starts_with_where_cuda_is_in_use(tmp_path, monkeypatch):
+    """A fake CUDA: what a stage measures when its work starts (gpu_memory_now) goes into its timings line, in
+    MiB; without CUDA nothing is measured and the line has no such field."""
+    import torch
+
+    from qevolve.evolve.run_dir import gpu_memory_now
+
+    memory = {"allocated": 700 * 2**20, "free": 1000 * 2**20}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (memory["free"], 4000 * 2**20))
+
+    def measuring(timing, allocated_after):
+        def stage(workdir):
+            timing.update(gpu_memory_now())
+            memory["allocated"] = allocated_after
+            return {}, {}
+        return stage
+
+    run = RunDirectory(tmp_path / "r", {"a": 1}, seed=0)
+    timing: dict = {}
+    run.run_stage("bc/eval_seen", {}, measuring(timing, 2000 * 2**20), log=lambda m: None, timing=timing)
+    timing = {}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    run.run_stage("iter_1/critic", {}, measuring(timing, 0), log=lambda m: None, timing=timing)
+    run.close()
+    timings = [json.loads(line) for line in (tmp_path / "r/timings.jsonl").read_text().splitlines()]
+    assert (timings[0]["gpu_mb_at_start"], timings[0]["gpu_used_mb_at_start"]) == (700, 3000)
+    assert "gpu_mb_at_start" not in timings[1] and "gpu_used_mb_at_start" not in timings[1]
+    assert "gpu_mb_at_start" not in (tmp_path / "r/manifest.json").read_text()

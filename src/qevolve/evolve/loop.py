@@ -37,7 +37,7 @@ from qevolve.evaluation.compare import online_budgets, success_table
 from qevolve.evolve import stage_worker
 from qevolve.evolve.nodes import LaunchAnnouncer
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
-from qevolve.evolve.run_dir import RunDirectory, StageRecord
+from qevolve.evolve.run_dir import RunDirectory, StageRecord, gpu_memory_now, reset_peak_gpu
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
 from qevolve.evolve.stages import (
     StageContext, bc_data_config, evaluation_settings, grpo_round_tasks, probe_store, record_evaluation, rft_config,
@@ -396,6 +396,11 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
                 # training the next engine serves new weights anyway: a fully fine-tuned policy needed a
                 # new engine already; a LoRA policy now gets a new engine instead of an in-place reload.
                 vllm_backend.release_engine()
+                # The peak of this stage is its own, not the engine's it released.
+                reset_peak_gpu()
+            # What the stage starts with (only where CUDA is in use): after a generating stage, whether the
+            # engine's memory went back (docs/gpu.md's check reads it from timings.jsonl).
+            stage_timing.update(gpu_memory_now())
             # The seed tree: each stage's seed is derive_seed(seed, stage name), the name holding the
             # iteration (iter_1/critic, iter_1/plain_iql/critic, ...), which the stage gives its stage config
             # (trainer, critic heads, sampled decoding).
@@ -435,8 +440,9 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         launched = resumable and (count > 1 or stage_worker.LAUNCH_ONE_PROCESS or (nnodes > 1 and not single))
         if single and (processes > 1 or nnodes > 1) and directory.completed(name) is None:
             log(f"[{name}] trains in one process (DPO does), in this process")
+        stage_timing: dict[str, Any] = {}
         record = directory.run_stage(name, {k: rel(v) for k, v in inputs.items()}, seeded, log=log,
-                                     resumable=resumable)
+                                     resumable=resumable, timing=stage_timing)
         if resumable and not config.keep_finished_checkpoints:
             # Recorded, so never resumed again: its checkpoints (1.6 GB each for a full fine-tuning of the
             # 135M model; a seed of the WebShop quick protocol left 11 GB of them) would only fill the disk.

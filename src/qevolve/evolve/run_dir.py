@@ -61,6 +61,25 @@ def peak_gpu_bytes() -> int | None:
     return max((torch.cuda.max_memory_allocated(device) for device in range(torch.cuda.device_count())),
                default=None)
 
+
+def gpu_memory_now() -> dict[str, int]:
+    """GPU memory in use now, in MiB, where this process has CUDA initialised (else empty, and CUDA is left
+    alone): ``gpu_mb_at_start``, torch's allocations in this process (an in-process vLLM engine's weights and
+    KV cache included), and ``gpu_used_mb_at_start``, all that the devices have in use (other processes,
+    CUDA contexts and torch's cache of freed blocks included); each the largest over the devices. Two
+    driver queries per device: cheap enough for every stage."""
+    import torch
+
+    if not _cuda_in_use():
+        return {}
+    devices = range(torch.cuda.device_count())
+    used = []
+    for device in devices:
+        free, total = torch.cuda.mem_get_info(device)
+        used.append(total - free)
+    return {"gpu_mb_at_start": round(max(torch.cuda.memory_allocated(device) for device in devices) / 2**20),
+            "gpu_used_mb_at_start": round(max(used) / 2**20)}
+
 MANIFEST = "manifest.json"
 METRICS = "metrics.jsonl"
 TIMINGS = "timings.jsonl"
@@ -381,7 +400,7 @@ class RunDirectory:
             return False
 
     def run_stage(self, name: str, inputs: dict[str, str], fn: StageFn, log: Callable[[str], None] = print,
-                  resumable: bool = False) -> StageRecord:
+                  resumable: bool = False, timing: dict[str, Any] | None = None) -> StageRecord:
         """Run ``fn(workdir) -> (outputs, metrics)`` unless the manifest records ``name`` as done.
 
         ``fn`` writes everything into ``workdir`` (``.<leaf>.partial`` beside the target); ``outputs``
@@ -392,6 +411,8 @@ class RunDirectory:
         resuming from its newest checkpoint), so the folder is kept when ``fn`` raises and reused
         next time if it was made from the same inputs and config. Otherwise ``workdir`` starts empty.
         A KeyboardInterrupt leaving here carries ``stage`` and ``resume_step`` (see :class:`Interrupted`).
+        ``timing``: more fields of the stage's line in ``timings.jsonl``, read when ``fn`` has returned (so
+        ``fn`` may fill it in, e.g. the GPU memory in use when its work started).
         """
         done = self.completed(name)
         if done is not None:
@@ -448,7 +469,7 @@ class RunDirectory:
         self._save()
         # Memory, like time, depends on the machine and the load: timings, not the (reproducible) manifest.
         timing = {"stage": name, "seconds": round(time.time() - started, 2),
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **(timing or {})}
         peak = peak_resident_bytes() if measured_peak else None
         if peak is not None:
             timing["peak_rss_mb"] = round(peak / 2**20)  # this process only, not its environment workers
