@@ -159,6 +159,18 @@ def test_a_config_from_when_dpo_was_a_policy_objective_is_the_same_dpo_config(tm
         PolicyStageConfig.model_validate({"objective": {"name": "bppo", "dpo_beta": 0.5}})
 
 
+def test_a_checkpoint_made_when_dpo_was_a_policy_objective_resumes_under_the_dpo_config(tmp_path):
+    from qevolve.atomic_io import atomic_torch_save
+    from qevolve.training.trainer import Trainer
+
+    atomic_torch_save({"fingerprint": OLD_ETO_SECTION, "step": 3}, tmp_path / "checkpoints" / "step-3" /
+                      "trainer_state.pt")
+    same = DPOConfig(beta=0.3, max_pairs_per_task=2, max_steps=5, output_dir=str(tmp_path))
+    assert Trainer(same).start_step == 3
+    with pytest.raises(ValueError, match="its checkpoint was made with a different 'beta'"):
+        Trainer(same.model_copy(update={"beta": 0.5}))
+
+
 def test_the_shipped_dpo_config_is_the_defaults():
     assert load_config(DPOConfig, CONFIGS / "dpo.yaml") == DPOConfig()
 
