@@ -1,7 +1,7 @@
 """Where the quickstart's time and memory go: each stage kind on the protocol's real batches.
 
 Every stage runs in its own child process (its peak RSS is its own) through the library's own stage
-function (``run_bc``, ``run_policy_update``, ``train_critic``, ``run_eval``) with the quickstart's
+function (``run_bc``, ``run_policy_update``, ``run_dpo``, ``train_critic``, ``run_eval``) with the quickstart's
 config (``configs/cpu/webshop-quick.yaml``, built as ``qevolve evolve`` builds each stage's config)
 and a finished run's inputs (``--run``: its BC policy, buffer and labelled buffer), cut to a few
 optimizer steps (``max_steps``). Nothing in the library changes: the child wraps a few functions
@@ -411,6 +411,7 @@ def child_train(args, stage: str) -> dict[str, Any]:
 
     from qevolve.policy.bc import run_bc
     from qevolve.policy.bppo import run_policy_update
+    from qevolve.policy.dpo import run_dpo
 
     config = evolve_config(args)
     with tempfile.TemporaryDirectory(prefix=f"profile-{stage}-") as scratch:
@@ -423,6 +424,8 @@ def child_train(args, stage: str) -> dict[str, Any]:
         with Probe(profile_step) as probe:
             if stage in ("bc", "rft"):
                 run_bc(cfg, log=lambda message: None)
+            elif stage == "dpo":
+                run_dpo(cfg, log=lambda message: None)
             else:
                 run_policy_update(cfg, log=lambda message: None)
         wall = time.perf_counter() - started

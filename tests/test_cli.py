@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGURED = {
     ("bc",): "data.train_path",
     ("critic",): "iql.expectile",
+    ("dpo",): "beta",
     ("label",): "estimator",
     ("policy",): "standardize_advantages",
     ("rollout",): "agent.batch_size",

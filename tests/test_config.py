@@ -105,7 +105,7 @@ def test_shipped_configs_render_within_100_columns_and_load_back():
 
     root = Path(__file__).resolve().parents[1] / "configs"
     files = [f for f in sorted(root.glob("**/*.yaml")) if f.parent.name in ("configs", "cpu", "gpu", "ablations")
-             and f.stem not in ("bc", "critic", "label")]
+             and f.stem not in ("bc", "critic", "dpo", "label")]
     assert len(files) == 28
     for path in files:
         config = load_config(EvolveConfig, path)
@@ -183,16 +183,49 @@ def test_a_penalties_override_changes_only_the_numbers_it_gives():
 
 
 def test_a_partial_baseline_section_keeps_the_baselines_own_defaults():
-    """eto's default objective is DPO and rft's default budget one epoch with 2-step accumulation: setting
-    one other field of those sections must not fall back to the plain stage defaults (eto became BPPO)."""
+    """rft's default budget is one epoch with 2-step accumulation: setting one other field of the section
+    must not fall back to the plain stage defaults. eto is DPO's config, whose defaults are its own."""
     from qevolve.config import load_config
     from qevolve.evolve.loop import EvolveConfig
+    from qevolve.policy.dpo import DPOConfig
 
     config = load_config(EvolveConfig, None, ["eto.max_steps=5", "rft.save_every=3"])
-    assert config.eto.objective.name == "dpo" and config.eto.max_steps == 5
-    assert config.eto.optim.lr == EvolveConfig().eto.optim.lr
+    assert isinstance(config.eto, DPOConfig) and config.eto.max_steps == 5 and config.eto.beta == 0.1
+    assert config.eto.optim.lr == EvolveConfig().eto.optim.lr == 5e-5
     assert (config.rft.epochs, config.rft.grad_accum_steps, config.rft.save_every) == (1, 2, 3)
-    assert load_config(EvolveConfig, None, ["eto.objective.name=bppo"]).eto.objective.name == "bppo"
+    with pytest.raises(ConfigError, match="eto.*objective.name 'bppo': this is DPO's config"):
+        load_config(EvolveConfig, None, ["eto.objective.name=bppo"])
+
+
+def test_an_eto_section_from_when_dpo_was_a_policy_objective_loads_and_resumes(tmp_path):
+    """A run recorded its eto section as a whole policy-stage config with objective dpo (and every policy
+    objective recorded DPO's settings at their defaults): it resumes under today's config without a change."""
+    from qevolve.evolve.loop import EvolveConfig, recorded_config, upgrade_recorded
+    from qevolve.evolve.run_dir import RunDirectory, RunError
+
+    from test_dpo import OLD_ETO_SECTION
+
+    config = load_config(EvolveConfig, None, ["baselines=[eto]", "eto.beta=0.3", "eto.max_pairs_per_task=2",
+                                              "eto.max_steps=5"])
+    old = recorded_config(config)
+    old["eto"] = OLD_ETO_SECTION
+    for section in (old["policy"], old["grpo"]["policy"], old["ppo"]["policy"]):
+        section["objective"].update({"dpo_beta": 0.1, "dpo_sft_coef": 0.0, "dpo_min_score_gap": 1e-06,
+                                     "dpo_max_pairs_per_task": None})
+    assert upgrade_recorded(old) == recorded_config(config)
+    RunDirectory(tmp_path / "old", old, seed=0).close()
+    with RunDirectory(tmp_path / "old", recorded_config(config), seed=0, resume=True,
+                      upgrade=upgrade_recorded) as resumed:
+        assert resumed.resume_changes == []
+    # the YAML of such a run loads too (configs written with objective: {name: dpo, dpo_beta: ...})
+    path = tmp_path / "old.yaml"
+    path.write_text("baselines: [eto]\neto:\n  objective: {name: dpo, dpo_beta: 0.3, dpo_max_pairs_per_task: 2}\n"
+                    "  max_steps: 5\n")
+    assert load_config(EvolveConfig, path) == config
+    changed = recorded_config(load_config(EvolveConfig, None, ["baselines=[eto]", "eto.beta=0.5",
+                                                               "eto.max_pairs_per_task=2", "eto.max_steps=5"]))
+    with pytest.raises(RunError, match="eto.beta=0.3, this config has eto.beta=0.5"):
+        RunDirectory(tmp_path / "old", changed, seed=0, resume=True, upgrade=upgrade_recorded)
 
 
 def test_the_sample_efficiency_config_is_the_quick_protocol_with_k3_and_the_online_baselines_budgets():

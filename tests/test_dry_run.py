@@ -15,7 +15,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def evolve_configs() -> list[Path]:
     """The shipped evolve configs (as tests/test_config.py enumerates them)."""
     return [f for f in sorted(CONFIGS.glob("**/*.yaml")) if f.parent.name in ("configs", "cpu", "gpu", "ablations")
-            and f.stem not in ("bc", "critic", "label")]
+            and f.stem not in ("bc", "critic", "dpo", "label")]
 
 
 @pytest.fixture

@@ -166,7 +166,7 @@ def test_cpu_protocol_configs_load_with_every_row():
         assert config.baselines == ["rft", "eto", "rerank"] and config.iterations == 2
         assert set(config.variants) == {"plain_iql", "q_minus_v", "awr"}
         assert config.variants["awr"].policy["objective"]["kl_coef"] == 0.0
-        assert config.rollout.tasks == "buffer_experts" and config.eto.objective.name == "dpo"
+        assert config.rollout.tasks == "buffer_experts" and config.eto.beta == 0.1
     assert configs["alfworld"].task_types and configs["alfworld"].model.lora.enabled is False
 
 
@@ -183,7 +183,7 @@ def test_the_seed_study_configs_are_what_their_headers_promise():
     assert faithful.rollout.agent.temperature > 0 and faithful.eval.agent.temperature == 0
     demonstrations = faithful.bc.data.num_demonstrations
     assert demonstrations * (1 + faithful.rollout.episodes_per_task) >= 200  # the buffer's trajectories
-    assert faithful.baselines == ["rft", "eto"] and faithful.eto.objective.name == "dpo"
+    assert faithful.baselines == ["rft", "eto"] and faithful.eto.beta == 0.1
     quick = load_config(EvolveConfig, root / "webshop-quick.yaml").model_dump()
     variants = load_config(EvolveConfig, root / "webshop-quick-variants.yaml").model_dump()
     assert set(variants.pop("variants")) == {

@@ -38,9 +38,8 @@ def test_the_processes_of_a_training_stage(counter_experts, tiny_model_dir, tmp_
     for stage in (bc_stage, critic_stage, rft_stage):
         assert stage_processes(stage, config, {}, 4) == 4
     assert stage_processes(policy_stage, config, {"policy": config.policy}, 4) == 4
-    # DPO trains in one process: the eto baseline, or a policy update that names it
+    # DPO (the eto baseline) trains in one process
     assert stage_processes(eto_stage, config, {}, 4) == 1
-    assert stage_processes(policy_stage, config, {"policy": config.eto}, 4) == 1
     if not torch.cuda.is_available():
         auto = tiny_config(tmp_path, counter_experts, tiny_model_dir, "distributed.nproc_per_node=auto")
         assert auto.distributed.processes() == 1

@@ -131,7 +131,8 @@ def test_grpo_settings_defaults_and_refusals():
     assert config.grpo.policy.standardize_advantages == "none"
     with pytest.raises(ConfigError, match="rounds and env_steps are both null"):
         load_config(EvolveConfig, None, ["grpo.rounds=null"])
-    with pytest.raises(ConfigError, match="expected bppo or awr"):
+    with pytest.raises(ConfigError, match=r"DPO has a config and a command of its own.*expected one of \['awr', "
+                                          r"'bppo'\]"):
         load_config(EvolveConfig, None, ["grpo.policy.objective.name=dpo"])
     with pytest.raises(ConfigError, match="group_size"):
         load_config(EvolveConfig, None, ["grpo.group_size=1"])

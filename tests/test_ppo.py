@@ -243,7 +243,7 @@ def test_ppo_settings_defaults_and_refusals():
     assert config.ppo.value.clip == 0.2 and config.ppo.policy.standardize_advantages == "buffer"
     refusals = [
         ("ppo.rounds=null", "rounds and env_steps are both null"),
-        ("ppo.policy.objective.name=dpo", "expected bppo or awr"),
+        ("ppo.policy.objective.name=dpo", r"expected one of \['awr', 'bppo'\]"),
         ("ppo.gamma=1.5", "ppo.gamma"),
         ("ppo.gae_lambda=-0.1", "ppo.gae_lambda"),
         ("ppo.episodes_per_task=0", "ppo.episodes_per_task"),

@@ -59,8 +59,7 @@ def overrides(tmp_path_factory, tiny_model_dir):
         "critic.diagnostics.folds=0",
         "policy.tokens_per_batch=2048", *(f"policy.{o}" for o in trainer),
         "baselines=[rft, eto]", "rft.tokens_per_batch=2048", *(f"rft.{o}" for o in trainer),
-        # (a key=value override of eto replaces its default, DPO, by the policy stage's: name it again)
-        "eto.objective.name=dpo", "eto.tokens_per_batch=4096", *(f"eto.{o}" for o in trainer),
+        "eto.tokens_per_batch=4096", *(f"eto.{o}" for o in trainer),
     ]
 
 

@@ -626,7 +626,8 @@ def policy_command(
     show: bool = show_config_option(),
     defaults: bool = defaults_option(),
 ) -> None:
-    """Behaviour-proximal PPO (or AWR) on a labelled buffer; writes OUTPUT_DIR/final (resumable)."""
+    """Behaviour-proximal PPO (or AWR) on a labelled buffer; writes OUTPUT_DIR/final (resumable). DPO, the ETO
+    baseline, is `qevolve dpo`."""
     from qevolve.config import load_config
     from qevolve.policy.bppo import PolicyStageConfig, run_policy_update
 
@@ -637,6 +638,35 @@ def policy_command(
     show_config("policy", PolicyStageConfig, show, defaults, lambda: load_config(PolicyStageConfig, config, extra))
     cfg = load_config(PolicyStageConfig, config, extra)
     result = run_policy_update(cfg, log=typer.echo)
+    print_table([result.summary()])
+
+
+@app.command("dpo")
+def dpo_command(
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides, e.g. beta=0.2"),
+    buffer: Optional[Path] = typer.Option(None, "--buffer", help="trajectory store with better and worse episodes "
+                                          "of the same tasks (no labels needed)"),
+    init: Optional[str] = typer.Option(None, "--init", help="the policy that starts the phase (a checkpoint folder)"),
+    reference: Optional[str] = typer.Option(None, help="the reference policy of the DPO log-ratios (default: "
+                                            "--init)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (e.g. configs/dpo.yaml)"),
+    show: bool = show_config_option(),
+    defaults: bool = defaults_option(),
+) -> None:
+    """ETO-style trajectory DPO (a baseline): the best episode of each task against its worse ones;
+    writes OUTPUT_DIR/final (resumable)."""
+    from qevolve.config import load_config
+    from qevolve.policy.dpo import DPOConfig, run_dpo
+
+    extra = list(overrides or [])
+    for key, value in (("buffer_path", buffer), ("model.name_or_path", init), ("reference", reference)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    show_config("dpo", DPOConfig, show, defaults, lambda: load_config(DPOConfig, config, extra))
+    cfg = load_config(DPOConfig, config, extra)
+    if cfg.buffer_path is None:
+        fail("--buffer: required (a trajectory store with better and worse episodes of the same tasks)")
+    result = run_dpo(cfg, log=typer.echo)
     print_table([result.summary()])
 
 

@@ -17,7 +17,7 @@ from qevolve.critic.value import ValueConfig
 from qevolve.models.loading import ModelConfig
 from qevolve.policy.bc import BCConfig
 from qevolve.policy.bppo import PolicyStageConfig
-from qevolve.policy.objectives import PAIR_OBJECTIVES
+from qevolve.policy.dpo import DPOConfig
 from qevolve.process_rewards.label import GroupAdvantageFields, LabelConfig
 from qevolve.prompting import PromptConfig
 from qevolve.rollouts.agent import AgentConfig
@@ -176,7 +176,7 @@ class OnlineRoundSettings(StageConfig):
     @model_validator(mode="before")
     @classmethod
     def _policy_starts_from_the_defaults(cls, data: Any) -> Any:
-        # as for rft and eto: a field given (policy.max_steps) changes that field of the method's defaults only
+        # as for rft: a field given (policy.max_steps) changes that field of the method's defaults only
         if isinstance(data, dict) and isinstance(data.get("policy"), dict):
             data = {**data, "policy": merge_trees(cls.policy_defaults().model_dump(), data["policy"])}
         return data
@@ -193,9 +193,6 @@ class OnlineRoundSettings(StageConfig):
         if self.env_steps is not None and budgets and budgets[-1] > self.env_steps:
             raise ValueError(f"evaluate_at_env_steps {budgets}: {budgets[-1]} passes env_steps {self.env_steps}, "
                              "where the rounds stop")
-        if self.policy.objective.name in PAIR_OBJECTIVES:
-            raise ValueError(f"policy.objective.name {self.policy.objective.name!r}: a {self.method} round updates "
-                             "on its labelled turns; expected bppo or awr")
         return self
 
 
@@ -293,7 +290,8 @@ def _policy_stage_fields(section: str, what: str) -> dict[str, Derived]:
         f"{section}.model.name_or_path": Derived(None, f"{what} starts from the iteration's policy"),
         f"{section}.prompt": Derived("prompt", "one prompt config for every stage"),
         f"{section}.buffer_path": Derived(None, f"{what} trains on the iteration's buffer"),
-        f"{section}.reference": Derived(None, "the KL reference is the run's BC policy"),
+        f"{section}.reference": Derived(None, "the reference policy (of the KL term, of DPO's log-ratios) is the "
+                                        "run's BC policy"),
         f"{section}.output_dir": Derived(None, "every stage writes into its folder of RUNS_DIR/NAME"),
         f"{section}.seed": Derived("seed", "each stage's seed derives from seed and the stage's name"),
         f"{section}.progress": Derived("progress", "one progress setting for the run"),
@@ -399,10 +397,11 @@ class EvolveSettings(StageConfig):
     rft: BCConfig = Field(default_factory=lambda: BCConfig(epochs=1, grad_accum_steps=2),
                           description="the rft baseline's training (its data, model, prompt, seed and output are "
                           "set by the loop: the buffer's won episodes, starting from the iteration's policy)")
-    eto: PolicyStageConfig = Field(
-        default_factory=lambda: PolicyStageConfig(objective={"name": "dpo"}, optim={"lr": 5e-5}),
-        description="the eto baseline's DPO stage (its buffer, model, prompt, reference, seed and output are "
-        "set by the loop)")
+    eto: DPOConfig = Field(
+        default_factory=DPOConfig, description="the eto baseline's DPO stage (its buffer, model, prompt, reference, "
+        "seed and output are set by the loop); a section written when DPO was an objective of the policy stage "
+        "(objective: {name: dpo, dpo_beta: ...}) still loads, its dpo_* keys read as beta, sft_coef, "
+        "min_score_gap and max_pairs_per_task")
     grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="the grpo baseline: rounds of "
                                "rollouts, group-normalised returns and a PPO-clip update, from the BC policy")
     ppo: PPOSettings = Field(default_factory=PPOSettings, description="the ppo baseline: rounds of rollouts, a "
@@ -426,11 +425,11 @@ class EvolveSettings(StageConfig):
     @model_validator(mode="before")
     @classmethod
     def _baselines_start_from_their_own_defaults(cls, data: Any) -> Any:
-        # rft and eto have defaults of their own (one epoch and 2-step accumulation; the DPO objective),
-        # not their classes'. A YAML or override that sets one of their fields (eto.max_steps=5) must change
-        # that field only; without this the section was rebuilt from the class defaults and eto ran BPPO.
+        # rft has defaults of its own (one epoch and 2-step accumulation), not its class's. A YAML or override
+        # that sets one of its fields (rft.save_every=3) must change that field only; without this the section
+        # was rebuilt from the class defaults.
         if isinstance(data, dict):
-            for name in ("rft", "eto"):
+            for name in ("rft",):
                 given = data.get(name)
                 if isinstance(given, dict):
                     default = cls.model_fields[name].default_factory().model_dump()  # type: ignore[misc]

@@ -33,6 +33,7 @@ from qevolve.environments.experts import filter_task_types
 from qevolve.evolve.settings import EvolveSettings, OnlineRoundSettings, PPOSettings, replaced
 from qevolve.policy.bc import BCConfig, BCDataConfig
 from qevolve.policy.bppo import PolicyStageConfig
+from qevolve.policy.dpo import DPOConfig
 from qevolve.process_rewards.label import LabelConfig
 from qevolve.seeding import DEMONSTRATIONS, derive_seed
 
@@ -431,9 +432,13 @@ def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig
     return outputs, metrics
 
 
-def update_config(ctx: StageContext, section: PolicyStageConfig, data: str, start: str) -> PolicyStageConfig:
-    """The policy update ``section`` from the policy at ``start`` on the episodes at ``data``, KL to the run's
-    BC policy."""
+#: the sections a policy-training stage is built from: a BPPO/AWR update or DPO (the eto baseline)
+PolicyConfig = PolicyStageConfig | DPOConfig
+
+
+def update_config(ctx: StageContext, section: PolicyConfig, data: str, start: str) -> PolicyConfig:
+    """The policy update ``section`` (BPPO/AWR or DPO) from the policy at ``start`` on the episodes at ``data``,
+    its reference the run's BC policy."""
     config = ctx.config
     return replaced(section, {
         "env": config.env, "buffer_path": str(ctx.path(data)),
@@ -491,7 +496,7 @@ def rft_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
                                  "train_tokens": result.train_tokens}
 
 
-def eto_stage_config(ctx: StageContext, inputs: dict[str, str]) -> PolicyStageConfig:
+def eto_stage_config(ctx: StageContext, inputs: dict[str, str]) -> DPOConfig:
     """The eto stage's config: the ``eto`` section (:func:`update_config`)."""
     return update_config(ctx, ctx.config.eto, inputs["buffer"], inputs["start"])
 
@@ -501,19 +506,18 @@ def eto_stage_config(ctx: StageContext, inputs: dict[str, str]) -> PolicyStageCo
 def eto_stage(ctx: StageContext, inputs: dict[str, str]) -> StageResult:
     """The eto baseline's training: the ``eto`` section (DPO) from ``inputs["start"]`` on the (better, worse)
     trajectory pairs of the buffer at ``inputs["buffer"]``."""
-    return _update_policy(ctx, ctx.config.eto, inputs["buffer"], inputs["start"], ctx.name.rpartition("/")[0])
+    from qevolve.policy.dpo import run_dpo
+
+    result = run_dpo(eto_stage_config(ctx, inputs), log=ctx.log)
+    record_evaluation(ctx.workdir / "final", ctx.config, ctx.name.rpartition("/")[0])
+    return {"policy": "final"}, numeric_metrics(result.summary())
 
 
 def stage_processes(stage: Callable[..., StageResult], config: EvolveSettings, options: dict[str, Any],
                     processes: int) -> int:
-    """How many processes the training ``stage`` runs as when the run asks for ``processes``: DPO (a pair
-    objective: the eto baseline, or a policy section that names one) trains in one process."""
-    from qevolve.policy.objectives import PAIR_OBJECTIVES
-
-    section = config.eto if stage is eto_stage else options.get("policy")
-    if isinstance(section, PolicyStageConfig) and section.objective.name in PAIR_OBJECTIVES:
-        return 1
-    return processes
+    """How many processes the training ``stage`` runs as when the run asks for ``processes``: DPO (the eto
+    baseline) trains in one process."""
+    return 1 if stage is eto_stage else processes
 
 
 def eval_stage_config(ctx: StageContext, inputs: dict[str, str], *, split: str) -> Any:

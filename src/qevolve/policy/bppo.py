@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from qevolve.buffer.store import Episode, read_episodes, usable_episodes
 from qevolve.models.loading import ModelConfig, acting_settings, load_policy, unwrap_model
 from qevolve.policy.bc import prepare_sequences
-from qevolve.policy.objectives import PAIR_OBJECTIVES, ObjectiveConfig, compute_objective
+from qevolve.policy.objectives import ObjectiveConfig, compute_objective
 from qevolve.process_rewards.advantages import shift_and_scale
 from qevolve.progress import quiet_third_party, use_bars
 from qevolve.prompting import PromptBuilder, PromptConfig
@@ -62,8 +62,7 @@ class PolicyStageConfig(TrainingConfig):
     reference: str | None = Field(None, description="the behaviour-cloned policy pi_ref of the KL term "
                                   "(null: the starting policy, as in the first iteration)")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="prompt building (as in BC/rollouts)")
-    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default), awr, or the "
-                                       "dpo baseline")
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="bppo (default) or awr")
     standardize_advantages: Literal["buffer", "step", "buffer_scale", "none"] = Field(
         "buffer", description="standardise the turns' advantages (each turn counted once, float64): buffer = "
         "once over every turn of the buffer (default), step = over the turns of each optimiser step, "
@@ -87,13 +86,6 @@ class PolicyStageConfig(TrainingConfig):
                                     "(approx_kl_old, the k3 estimator) exceeds this, and keep the policy of the "
                                     "step before, as PPO's target_kl does; null: never stop (the method as "
                                     "published)")
-
-    @model_validator(mode="after")
-    def _target_kl_needs_a_ratio(self) -> "PolicyStageConfig":
-        if self.target_kl is not None and self.objective.name in PAIR_OBJECTIVES:
-            raise ValueError(f"target_kl: the {self.objective.name} objective compares pairs of trajectories and "
-                             f"has no per-token KL to pi_old; set target_kl to null")
-        return self
 
     @field_validator("standardize_advantages", mode="before")
     @classmethod
@@ -193,10 +185,6 @@ class _PolicyUpdate(TrainingMethod):
 
 def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = print) -> PolicyResult:
     """One BPPO (or AWR) phase on the labelled buffer; resumable; returns per-step statistics."""
-    if config.objective.name in PAIR_OBJECTIVES:
-        from qevolve.policy.dpo import run_dpo
-
-        return run_dpo(config, log=log)
     started = time.perf_counter()
     if not config.buffer_path:
         raise ValueError("buffer_path: a labelled trajectory store is required")

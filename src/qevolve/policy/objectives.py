@@ -22,7 +22,7 @@ unbiased for tokens sampled from pi_theta, an approximation for the buffer's tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -30,15 +30,15 @@ from pydantic import Field, model_validator
 from qevolve.config import StageConfig
 
 __all__ = ["ObjectiveConfig", "ObjectiveOutput", "register_objective", "get_objective", "objective_names",
-           "compute_objective", "PAIR_OBJECTIVES", "bppo_loss", "awr_loss", "kl_penalty", "masked_mean",
+           "compute_objective", "bppo_loss", "awr_loss", "kl_penalty", "masked_mean",
            "gather_token_logprobs"]
 
 
 class ObjectiveConfig(StageConfig):
     """The policy loss and its hyper-parameters."""
 
-    name: str = Field("bppo", description="registered policy loss: bppo (clipped, behaviour-proximal), awr, or dpo "
-                      "(ETO-style trajectory pairs of the same task; a baseline, see qevolve.policy.dpo)")
+    name: str = Field("bppo", description="registered policy loss: bppo (clipped, behaviour-proximal) or awr (DPO, "
+                      "the ETO baseline, has a config and a command of its own: qevolve dpo)")
     eps_low: float = Field(0.8, ge=0.0, le=1.0,
                            description="BPPO lower clip: the ratio may fall to 1 - eps_low on negative advantages "
                                        "(unverified default from one write-up of the paper)")
@@ -48,19 +48,36 @@ class ObjectiveConfig(StageConfig):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator (see module docs)")
     awr_beta: float = Field(1.0, gt=0.0, description="AWR temperature: weight = exp(beta * A)")
     awr_max_weight: float = Field(20.0, gt=0.0, description="AWR clamp on exp(beta * A)")
-    dpo_beta: float = Field(0.1, gt=0.0, description="DPO temperature beta on the trajectory log-ratios")
-    dpo_sft_coef: float = Field(0.0, ge=0.0, description="DPO: weight of an added NLL term on the chosen "
-                                "trajectories (0: plain DPO, as in ETO)")
-    dpo_min_score_gap: float = Field(1e-6, gt=0.0, description="DPO: a pair's chosen episode must score at least "
-                                     "this much more than its rejected one")
-    dpo_max_pairs_per_task: int | None = Field(None, ge=1, description="DPO: at most this many pairs per task "
-                                               "(null: every worse episode of the task)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dpo_has_its_own_config(cls, data: Any) -> Any:
+        # DPO was once an objective here, with objective.dpo_* settings that every policy config recorded
+        # (manifests, checkpoints): at their defaults beside another objective they never acted and are dropped.
+        if not isinstance(data, dict):
+            return data
+        if data.get("name") == "dpo":
+            raise ValueError("name 'dpo': DPO has a config and a command of its own: `qevolve dpo --buffer B "
+                             "--init C` (configs/dpo.yaml), or the eto baseline of qevolve evolve; expected one of "
+                             f"{objective_names()}")
+        data = dict(data)
+        for key, default in _OLD_DPO_DEFAULTS.items():
+            if key in data:
+                value = data.pop(key)
+                if value != default:
+                    raise ValueError(f"{key}={value!r}: a DPO setting, which the {data.get('name', 'bppo')} "
+                                     "objective never used; remove it (DPO has its own command: qevolve dpo)")
+        return data
 
     @model_validator(mode="after")
     def _known_name(self) -> "ObjectiveConfig":
-        if self.name not in _OBJECTIVES and self.name not in PAIR_OBJECTIVES:
+        if self.name not in _OBJECTIVES:
             raise ValueError(f"name {self.name!r}: expected one of {objective_names()}")
         return self
+
+
+#: the DPO settings that objective configs recorded while DPO was one of them, with their defaults
+_OLD_DPO_DEFAULTS = {"dpo_beta": 0.1, "dpo_sft_coef": 0.0, "dpo_min_score_gap": 1e-6, "dpo_max_pairs_per_task": None}
 
 
 @dataclass
@@ -83,19 +100,13 @@ def register_objective(name: str) -> Callable[[Objective], Objective]:
     return decorate
 
 
-# Objectives over (chosen, rejected) trajectory pairs rather than per-token advantages: their stage
-# runner lives in its own module and `qevolve policy` dispatches to it by name.
-PAIR_OBJECTIVES = frozenset({"dpo"})
-
-
 def objective_names() -> list[str]:
-    return sorted(set(_OBJECTIVES) | PAIR_OBJECTIVES)
+    return sorted(_OBJECTIVES)
 
 
 def get_objective(name: str) -> Objective:
     if name not in _OBJECTIVES:
-        raise ValueError(f"policy objective {name!r}: expected one of {sorted(_OBJECTIVES)} (pair objectives "
-                         f"{sorted(PAIR_OBJECTIVES)} have their own runner)")
+        raise ValueError(f"policy objective {name!r}: expected one of {sorted(_OBJECTIVES)}")
     return _OBJECTIVES[name]
 
 

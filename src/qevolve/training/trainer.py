@@ -167,6 +167,18 @@ def resume_fingerprint(config: StageConfig, free: frozenset[str] = RESUME_FREE) 
     return dump
 
 
+def upgraded_fingerprint(config_class: type[StageConfig], recorded: dict[str, Any],
+                         free: frozenset[str] = RESUME_FREE) -> dict[str, Any]:
+    """A checkpoint's recorded fingerprint read through today's ``config_class``: a field added since
+    counts as its default, and a setting renamed or moved since as its new name (each config class
+    maps what it once called otherwise), so an old checkpoint resumes with the config it was made
+    with. A fingerprint the class no longer reads is returned as it stands (the comparison names it)."""
+    try:
+        return resume_fingerprint(config_class.model_validate(recorded), free)
+    except ValueError:  # pydantic's ValidationError included
+        return recorded
+
+
 def first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
     """The dotted name of the first field where two nested dicts differ (None when equal)."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -282,7 +294,8 @@ class Trainer:
                 raise ValueError(f"output_dir {self.output_dir} already holds checkpoints; set resume=true to "
                                  f"continue or choose another output_dir")
             self.resume_state = load_state(self.checkpoint / "trainer_state.pt")
-            diff = first_difference(self.resume_state["fingerprint"], self.fingerprint)
+            diff = first_difference(upgraded_fingerprint(type(config), self.resume_state["fingerprint"], free),
+                                    self.fingerprint)
             if diff:
                 raise ValueError(f"output_dir {self.output_dir}: its checkpoint was made with a different "
                                  f"{diff!r}; use the same config to resume or another output_dir")
