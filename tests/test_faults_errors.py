@@ -8,7 +8,6 @@ rewrites it, and without the variable the test fails if the committed file diffe
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import shutil

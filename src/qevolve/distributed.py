@@ -28,7 +28,6 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
