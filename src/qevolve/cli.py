@@ -631,14 +631,21 @@ def policy_command(
     from qevolve.config import load_config
     from qevolve.policy.bppo import PolicyStageConfig, run_policy_update
 
-    extra = list(overrides or [])
-    for key, value in (("buffer_path", buffer), ("model.name_or_path", init), ("reference", reference)):
-        if value is not None:
-            extra.append(f"{key}={value}")
+    extra = policy_phase_overrides(overrides, buffer, init, reference)
     show_config("policy", PolicyStageConfig, show, defaults, lambda: load_config(PolicyStageConfig, config, extra))
     cfg = load_config(PolicyStageConfig, config, extra)
     result = run_policy_update(cfg, log=typer.echo)
     print_table([result.summary()])
+
+
+def policy_phase_overrides(overrides: Optional[list[str]], buffer: Optional[Path], init: Optional[str],
+                           reference: Optional[str]) -> list[str]:
+    """``qevolve policy``'s and ``qevolve dpo``'s key=value overrides, with their path options as overrides."""
+    extra = list(overrides or [])
+    for key, value in (("buffer_path", buffer), ("model.name_or_path", init), ("reference", reference)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    return extra
 
 
 @app.command("dpo")
@@ -658,10 +665,7 @@ def dpo_command(
     from qevolve.config import load_config
     from qevolve.policy.dpo import DPOConfig, run_dpo
 
-    extra = list(overrides or [])
-    for key, value in (("buffer_path", buffer), ("model.name_or_path", init), ("reference", reference)):
-        if value is not None:
-            extra.append(f"{key}={value}")
+    extra = policy_phase_overrides(overrides, buffer, init, reference)
     show_config("dpo", DPOConfig, show, defaults, lambda: load_config(DPOConfig, config, extra))
     cfg = load_config(DPOConfig, config, extra)
     if cfg.buffer_path is None:
