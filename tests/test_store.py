@@ -174,3 +174,17 @@ def test_settle_final_reward_puts_the_score_on_a_cut_episodes_last_turn():
     lost = make_episode(2, n_turns=2, won=False)
     settle_final_reward(lost)
     assert [t.reward for t in lost.turns] == [0.0, 0.0] and not lost.ended_with_reward
+
+
+def test_only_sources_keeps_those_sources_and_names_the_buffers_sources_when_none_match():
+    from dataclasses import replace
+
+    from qevolve.buffer.store import episodes_of_sources
+
+    episodes = [replace(make_episode(i), source=source) for i, source in enumerate(["self", "synthetic", "self"])]
+    assert episodes_of_sources(episodes, None, "B") == episodes
+    assert [ep.episode_id for ep in episodes_of_sources(episodes, ["self"], "B")] == \
+        [episodes[0].episode_id, episodes[2].episode_id]
+    with pytest.raises(ValueError, match=r"only_sources \['expert'\]: no episode of B has these sources; its "
+                                         r"sources are self \(2 episodes\), synthetic \(1 episodes\)"):
+        episodes_of_sources(episodes, ["expert"], "B")

@@ -233,6 +233,23 @@ def usable_episodes(episodes: Iterable[Episode], include_failed: bool = False) -
     return [ep for ep in episodes if ep.turns and (include_failed or not ep.failed)]
 
 
+def episodes_of_sources(episodes: list[Episode], sources: list[str] | None, where: str) -> list[Episode]:
+    """The episodes whose ``source`` is one of ``sources`` (None: all of them). Naming sources that no episode
+    has is an error naming the ones there are (``where``: the store, for the message): a stage that trains
+    on nothing is a mistake, e.g. ``[expert]`` on a buffer whose demonstrations are ``synthetic``."""
+    if sources is None:
+        return episodes
+    kept = [ep for ep in episodes if ep.source in set(sources)]
+    if not kept and episodes:
+        counts: dict[str, int] = {}
+        for ep in episodes:
+            counts[ep.source] = counts.get(ep.source, 0) + 1
+        there = ", ".join(f"{source} ({count} episodes)" for source, count in sorted(counts.items()))
+        raise ValueError(f"only_sources {sorted(sources)}: no episode of {where} has these sources; its sources "
+                         f"are {there}")
+    return kept
+
+
 def _atomic_write_table(table: pa.Table, path: Path, metadata: dict[str, Any] | None) -> None:
     schema_meta = {SCHEMA_KEY: str(SCHEMA_VERSION).encode(), META_KEY: json.dumps(metadata or {}).encode()}
     table = table.replace_schema_metadata(schema_meta)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal
 import torch
 from pydantic import Field, field_validator
 
-from qevolve.buffer.store import Episode, read_episodes, usable_episodes
+from qevolve.buffer.store import Episode, episodes_of_sources, read_episodes, usable_episodes
 from qevolve.models.loading import ModelConfig, acting_settings, load_policy, unwrap_model
 from qevolve.policy.bc import prepare_sequences
 from qevolve.policy.objectives import ObjectiveConfig, compute_objective
@@ -196,8 +196,7 @@ def run_policy_update(config: PolicyStageConfig, log: Callable[[str], None] = pr
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     episodes = usable_episodes(read_episodes(Path(config.buffer_path).expanduser()), config.include_failed)
-    if config.only_sources is not None:
-        episodes = [ep for ep in episodes if ep.source in set(config.only_sources)]
+    episodes = episodes_of_sources(episodes, config.only_sources, f"buffer_path {config.buffer_path}")
     if not episodes:
         raise ValueError(f"buffer_path {config.buffer_path}: no episodes to train on")
     advantages = _turn_advantages(episodes, config.buffer_path)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from qevolve.buffer.store import Episode, read_episodes, usable_episodes
+from qevolve.buffer.store import Episode, episodes_of_sources, read_episodes, usable_episodes
 from qevolve.distributed import launcher_world_size
 from qevolve.models.loading import ModelConfig, acting_settings, load_policy, unwrap_model
 from qevolve.policy.bc import prepare_sequences
@@ -258,8 +258,7 @@ def run_dpo(config: DPOConfig, log: Callable[[str], None] = print) -> PolicyResu
     policy = load_policy(config.model, trainable=True)
     builder = PromptBuilder.for_environment(policy.tokenizer, config.prompt, config.env)
     episodes = usable_episodes(read_episodes(Path(config.buffer_path).expanduser()), config.include_failed)
-    if config.only_sources is not None:
-        episodes = [ep for ep in episodes if ep.source in set(config.only_sources)]
+    episodes = episodes_of_sources(episodes, config.only_sources, f"buffer_path {config.buffer_path}")
     pairs = build_preference_pairs(episodes, config.min_score_gap, config.max_pairs_per_task)
     if not pairs:
         raise ValueError(f"buffer_path {config.buffer_path}: no (better, worse) episode pairs of the same task; "
