@@ -474,3 +474,27 @@ def test_qevolve_label_needs_no_critic_for_the_group_estimators(tmp_path):
     assert [ep.turns[0].advantage for ep in labelled] == [-1.0, 1.0]
     refused = CliRunner().invoke(app, ["label", "--buffer", str(buffer), "estimator=td1"])
     assert refused.exit_code == 2 and "--critic: required by estimator td1" in refused.output
+
+
+def test_gae_on_env_reward_takes_a_penalty_back_out_of_a_value_fitted_with_it():
+    """A looping episode (every turn penalised, cut at the turn limit) whose V is the penalties still to come,
+    as a critic fitted on r_env + r_aux learns it in sample, beside a won one: GAE on r_env gives the
+    penalised turns positive TD errors (the penalty, back out of V), GAE on r_env + r_aux gives them none, and
+    the labels' summary reports the penalised turns above the others."""
+    from qevolve.process_rewards.label import _penalised_summary
+
+    gamma, lam, p, n = 1.0, 0.95, 0.3, 5
+    penalties_to_come = -p * np.arange(n, 0, -1, dtype=np.float64)  # V(s_t) = -p * (turns left)
+    looping = TrajectoryValues(np.zeros(n), np.full(n, -p), penalties_to_come, penalties_to_come,
+                               np.zeros(n, dtype=bool), bootstrap_value=0.0)
+    won = TrajectoryValues(np.array([0.0, 0.0, 1.0]), np.zeros(3), np.ones(3), np.ones(3),
+                           np.array([False, False, True]))
+    env_only = get_advantage_estimator("gae_env")(looping, gamma, lam)
+    np.testing.assert_allclose(get_advantage_estimator("td1")(looping, gamma, lam), np.full(n, p))
+    assert (env_only > 0).all()
+    np.testing.assert_allclose(get_advantage_estimator("gae_env_aux")(looping, gamma, lam), np.zeros(n), atol=1e-12)
+    summary = _penalised_summary([looping, won], [env_only, get_advantage_estimator("gae_env")(won, gamma, lam)])
+    assert summary["penalised_turns"] == n
+    assert summary["advantage_mean_penalised"] == pytest.approx(env_only.mean())
+    assert summary["advantage_mean_unpenalised"] == pytest.approx(0.0)
+    assert _penalised_summary([won], [np.zeros(3)]) == {"penalised_turns": 0, "advantage_mean_unpenalised": 0.0}

@@ -414,6 +414,11 @@ def label_stage(ctx: StageContext, inputs: dict[str, str], *, label: LabelConfig
     write_episodes(ctx.workdir / "labelled.parquet", episodes, {"env": config.env, "iteration": ctx.iteration})
     outputs = {"labelled": "labelled.parquet"}
     metrics = numeric_metrics(summary)
+    penalised, others = summary.get("advantage_mean_penalised"), summary.get("advantage_mean_unpenalised")
+    if penalised is not None and others is not None and penalised > others:
+        ctx.log(f"WARNING: [{ctx.name}] the {summary['penalised_turns']} turns the retrospective penalties mark have "
+                f"a higher mean advantage ({penalised:+.3f}) than the other turns ({others:+.3f}): the policy update "
+                "will push them up (GAE on r_env takes each penalty back out of V; docs/critic.md)")
     # the environment's judge of single actions, where it has one (WebShop): do the labels put
     # the right clicks above the wrong ones? A diagnostic: it never stops the run.
     # (standardised as the policy update does, where its mode does not depend on batching)

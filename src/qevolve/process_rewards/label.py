@@ -322,6 +322,24 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
         for name, keep in ((yes, mask), (no, ~mask)):
             summary[f"advantage_mean_{name}"] = turn_mean(advantages, keep)
     summary["r_aux_nonzero"] = float(np.mean(np.concatenate([t.aux_rewards for t in trajectories]) != 0))
+    summary.update(_penalised_summary(trajectories, advantages))
     if config.estimator == "gigpo":
         summary.update(_anchor_summary(episodes, trajectories, gamma))
     return all_episodes, summary
+
+
+def _penalised_summary(trajectories: list[TrajectoryValues], advantages: list[np.ndarray]) -> dict[str, Any]:
+    """The advantages of the turns the retrospective penalties mark (r_aux < 0) against the others'.
+
+    With GAE on r_env alone and V fitted to r_env + r_aux, a penalised turn's TD error is
+    ``Q(s_t, a_t) - V(s_t) - r_aux_t``: the penalty comes back out. Where the buffer holds one action per
+    state (V close to Q), that leaves ``-r_aux_t > 0``, so the marked turns can end up the buffer's best
+    (docs/critic.md); a higher mean here than the others' is the sign of it."""
+    penalised = np.concatenate([t.aux_rewards < 0 for t in trajectories])
+    flat = np.concatenate(advantages)
+    summary: dict[str, Any] = {"penalised_turns": int(penalised.sum())}
+    if penalised.any():
+        summary["advantage_mean_penalised"] = float(flat[penalised].mean())
+    if (~penalised).any():
+        summary["advantage_mean_unpenalised"] = float(flat[~penalised].mean())
+    return summary
