@@ -226,6 +226,19 @@ def test_block_causal_attention_matches_packed_sdpa_in_loss_and_gradients(tiny_m
             assert (got_grads[name] - g).abs().max() / scale < 0.05, name  # measured up to 1.3e-2
     assert blocks and all(n >= 16 for n in blocks)  # every sequence here is long enough for blocks
     assert len(blocks) == 2 * (3 + 1)  # 2 layers x (3 packed sequences + 1 unpacked), packed_sdpa none
+    # Acting (bf16 weights, no grad): an unpadded prompt's prefill goes through blocks, decoding with a cache
+    # through the fused kernel; the greedy tokens are packed_sdpa's.
+    from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
+
+    prompt = list(sequences[0].input_ids)
+    tokens = []
+    for policy in (ours, reference):
+        model = policy.model.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            result = HFGenerationBackend(model, [1], 0).generate([GenerationRequest(0, prompt)],
+                                                                 SamplingParams(max_new_tokens=6))
+        tokens.append(result[0].token_ids)
+    assert len(blocks) > 2 * (3 + 1) and tokens[0] == tokens[1]
 
 
 def test_masked_grouped_query_attention_skips_the_key_value_copy(tiny_model_dir, monkeypatch):
