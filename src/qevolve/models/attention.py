@@ -21,14 +21,15 @@ transformers' DynamicCache; docs/memory.md has the table.
 
 ``block_causal`` (opt-in, also registered here) is ``packed_sdpa`` with a faster causal attention for long
 bf16 sequences on CPU, for training: each block of ``CAUSAL_BLOCK`` queries attends to its causal prefix
-of keys through two bf16 matmuls and a softmax compiled by ``torch.compile`` (one compilation, dynamic in
-the sequence length; the masked upper triangle is skipped block by block). PyTorch's fused CPU kernel
-reaches a fraction of the matmul rate there; ``benchmarks/attention_kernels.py`` measured 1.2-2.1x on
-forward + backward at 2,048-2,900 tokens (SmolLM2-135M's layer, bf16; 1.2-1.5x at 2,900), 1.24-1.37x on a
-whole training step, with differences from the fused kernel at bf16 rounding level (docs/performance.md, "Attention kernels on this CPU"). It keeps each block's
-probabilities for the backward pass (bf16, about heads x tokens^2 bytes per layer and sequence: 93 MB for
-9 heads at 2,900 tokens, 2.8 GB over SmolLM2's 30 layers) where the fused kernel keeps 3 MB (its output and
-log-sum-exp), and its first calls in a process compile for 5-15 seconds (two graphs, then any length).
+of keys through two bf16 matmuls and a softmax compiled by ``torch.compile`` (dynamic in the sequence
+length; the masked upper triangle is skipped block by block). PyTorch's fused CPU kernel reaches a
+fraction of the matmul rate there; ``benchmarks/attention_kernels.py`` measured 1.2-2.1x on forward +
+backward at 2,048-2,900 tokens (SmolLM2-135M's layer, bf16; 1.2-1.5x at 2,900), 1.24-1.37x on a whole
+training step, with differences from the fused kernel at bf16 rounding level (docs/performance.md,
+"Attention kernels on this CPU"). It keeps each block's probabilities for the backward pass (bf16, about
+heads x tokens^2 bytes per layer and sequence: 93 MB for 9 heads at 2,900 tokens, 2.8 GB over SmolLM2's
+30 layers) where the fused kernel keeps 3 MB (its output and log-sum-exp), and its first calls in a
+process compile for 5-15 seconds (two graphs, then any length).
 """
 
 from __future__ import annotations
