@@ -772,7 +772,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 def attention_kernels(lengths: list[int], repeats: int = 2) -> list[dict[str, Any]]:
     """One layer's causal attention (SmolLM2: 9 query heads, 3 key/value heads, head 64), forward + backward,
     bf16: PyTorch's fused CPU kernel (what packed_sdpa calls, enable_gqa) vs the same maths as plain
-    matmuls (eager: QK^T, causal mask, softmax in float32, PV; key/value heads repeated)."""
+    matmuls (eager: QK^T, causal mask, softmax in float32, PV; key/value heads repeated).
+    ``benchmarks/attention_kernels.py`` compares more candidates, with their differences from the fused kernel."""
     import torch
     import torch.nn.functional as F
 

@@ -185,6 +185,62 @@ def test_packed_attention_attends_per_sequence_without_a_dense_mask(tiny_model_d
         assert torch.allclose(packed, target_logprobs(sdpa.model, batch), atol=1e-5)
 
 
+def test_block_causal_attention_matches_packed_sdpa_in_loss_and_gradients(tiny_model_dir, monkeypatch):
+    """The opt-in block_causal attention (compiled blocks of queries on their causal prefix) gives packed_sdpa's
+    log-probabilities and LoRA gradients within bf16 rounding, on packed rows and on an unpacked one."""
+    from qevolve.models import attention
+
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", 8)  # tiny sequences: several blocks, a padded last one
+    monkeypatch.setattr(attention, "BLOCKS_FROM", 16)
+    blocks = []
+    original = attention.block_causal_attention
+
+    def spy(q, k, v, scaling=None, block=attention.CAUSAL_BLOCK):
+        blocks.append(q.shape[2])
+        return original(q, k, v, scaling, block=block)
+
+    monkeypatch.setattr(attention, "block_causal_attention", spy)
+
+    def load(impl):
+        torch.manual_seed(0)  # the same LoRA initialisation for both
+        return load_policy(ModelConfig(name_or_path=str(tiny_model_dir), precision="bf16-autocast", device="cpu",
+                                       attn_implementation=impl), trainable=True)
+
+    ours, reference = load(attention.BLOCK_CAUSAL), load(attention.PACKED_SDPA)
+    assert unwrap(ours).config._attn_implementation == attention.BLOCK_CAUSAL
+    sequences = random_sequences(3, len(ours.tokenizer), seed=11)
+    for batch in (collate(sequences, [0, 1, 2], "pack"), collate(sequences[:1], [0], "bucket")):
+        results = []
+        for policy in (ours, reference):
+            policy.model.zero_grad()
+            with policy.autocast():  # as the trainers run it: bf16 matmuls, float32 weights
+                logprobs = target_logprobs(policy.model, batch)
+            logprobs.sum().backward()
+            grads = {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+            results.append((logprobs.detach().float(), grads))
+        (got, got_grads), (want, want_grads) = results
+        # bf16 attention on both sides, rounded at different points: differences of a few bf16 ulps
+        assert (got - want).abs().max() < 0.01, (got - want).abs().max()  # measured 1e-3 (log-probs near -6)
+        for name, g in want_grads.items():
+            scale = g.abs().max().clamp_min(1e-6)
+            assert (got_grads[name] - g).abs().max() / scale < 0.05, name  # measured up to 1.3e-2
+    assert blocks and all(n >= 16 for n in blocks)  # every sequence here is long enough for blocks
+    assert len(blocks) == 2 * (3 + 1)  # 2 layers x (3 packed sequences + 1 unpacked), packed_sdpa none
+    # Acting (bf16 weights, no grad): an unpadded prompt's prefill goes through blocks, decoding with a cache
+    # through the fused kernel; the greedy tokens are packed_sdpa's.
+    from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
+
+    prompt = list(sequences[0].input_ids)
+    tokens = []
+    for policy in (ours, reference):
+        model = policy.model.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            result = HFGenerationBackend(model, [1], 0).generate([GenerationRequest(0, prompt)],
+                                                                 SamplingParams(max_new_tokens=6))
+        tokens.append(result[0].token_ids)
+    assert len(blocks) > 2 * (3 + 1) and tokens[0] == tokens[1]
+
+
 def test_masked_grouped_query_attention_skips_the_key_value_copy(tiny_model_dir, monkeypatch):
     """Padded batches and cached decoding take enable_gqa=True and match transformers' sdpa (values, grads, tokens)."""
     from qevolve.models import attention

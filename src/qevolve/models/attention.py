@@ -18,6 +18,18 @@ decode --batch 20 --prompt 1500 --turns 2 --new-tokens 16 --threads 2 --attentio
 (2026-12-04, 2-core AMD EPYC with AVX-512 BF16, bf16 weights; prefill of the 30,000 prompt tokens
 dominates) took 65.3 s vs 69.1 s with the default cache, and 77.8 s vs 69.2 s (slower) with
 transformers' DynamicCache; docs/memory.md has the table.
+
+``block_causal`` (opt-in, also registered here) is ``packed_sdpa`` with a faster causal attention for long
+bf16 sequences on CPU, for training: each block of ``CAUSAL_BLOCK`` queries attends to its causal prefix
+of keys through two bf16 matmuls and a softmax compiled by ``torch.compile`` (dynamic in the sequence
+length; the masked upper triangle is skipped block by block). PyTorch's fused CPU kernel reaches a
+fraction of the matmul rate there; ``benchmarks/attention_kernels.py`` measured 1.2-2.1x on forward +
+backward at 2,048-2,900 tokens (SmolLM2-135M's layer, bf16; 1.2-1.5x at 2,900), 1.24-1.37x on a whole
+training step, with differences from the fused kernel at bf16 rounding level (docs/performance.md,
+"Attention kernels on this CPU"). It keeps each block's probabilities for the backward pass (bf16, about
+heads x tokens^2 bytes per layer and sequence: 93 MB for 9 heads at 2,900 tokens, 2.8 GB over SmolLM2's
+30 layers) where the fused kernel keeps 3 MB (its output and log-sum-exp), and its first calls in a
+process compile for 5-15 seconds (two graphs, then any length).
 """
 
 from __future__ import annotations
@@ -25,9 +37,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_SDPA", "register_packed_attention", "packed_segments"]
+__all__ = ["PACKED_SDPA", "BLOCK_CAUSAL", "register_packed_attention", "packed_segments", "block_causal_attention"]
 
 PACKED_SDPA = "packed_sdpa"
+BLOCK_CAUSAL = "block_causal"
+CAUSAL_BLOCK = 256  # queries per block: 128 to 512 measured, 256 best at 2-3k tokens (larger blocks spill caches)
+BLOCKS_FROM = 2 * CAUSAL_BLOCK  # shorter sequences keep the fused kernel (one block would skip nothing)
 
 
 def packed_segments(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -79,11 +94,86 @@ def _packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
                      attention_mask=attention_mask, **kwargs)
 
 
+def _causal_block(query_block, key_prefix, value_prefix, start: int, scaling: float):
+    """Queries start..start+B (``query_block``) against keys 0..start+B, causal inside the block.
+
+    The query heads that share a key/value head are folded into one (groups x B) x dim matrix, so one
+    matmul serves the whole group and no key/value head is copied. The softmax runs on the bf16 scores
+    (computed in float32 inside the compiled kernel) and keeps bf16 probabilities."""
+    batch, heads, block, dim = query_block.shape
+    kv_heads, keys = key_prefix.shape[1], key_prefix.shape[2]
+    groups = heads // kv_heads
+    scores = query_block.reshape(batch, kv_heads, groups * block, dim) @ key_prefix.transpose(-1, -2)
+    scores = scores.view(batch, kv_heads, groups, block, keys) * scaling
+    rows = start + torch.arange(block, dtype=torch.int32, device=scores.device).unsqueeze(1)
+    keep = torch.arange(keys, dtype=torch.int32, device=scores.device) <= rows
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    return (probs.view(batch, kv_heads, groups * block, keys) @ value_prefix).view(batch, heads, block, dim)
+
+
+_compiled_causal_block = None
+
+
+def block_causal_attention(query, key, value, scaling: float | None = None, block: int = CAUSAL_BLOCK):
+    """Causal attention of (batch, heads, tokens, dim) tensors, block by block (see the module docstring).
+
+    The tokens are padded at the end to a multiple of ``block``: causality keeps the padding out of every
+    real query's keys, and the padded rows are dropped."""
+    global _compiled_causal_block
+    if _compiled_causal_block is None:
+        _compiled_causal_block = torch.compile(_causal_block, dynamic=True)
+    n = query.shape[2]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    pad = -n % block
+    if pad:  # padded in the (batch, tokens, heads, dim) layout transformers' projections give, then viewed back
+        query, key, value = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+                             for t in (query, key, value))
+    parts = [_compiled_causal_block(query[:, :, s:s + block], key[:, :, :s + block], value[:, :, :s + block], s,
+                                    scale)
+             for s in range(0, n + pad, block)]
+    return torch.cat(parts, dim=2)[:, :, :n]
+
+
+def _causal_attention(query, key, value, scaling):
+    """Blocks for long bf16 CPU sequences, the fused kernel otherwise."""
+    on_cpu = query.device.type == "cpu"
+    # Under bf16 autocast the rotary embedding hands over float32 q and k; the fused kernel is autocast to bf16.
+    dtype = torch.get_autocast_dtype("cpu") if on_cpu and torch.is_autocast_enabled("cpu") else query.dtype
+    if on_cpu and dtype == torch.bfloat16 and query.shape[2] >= BLOCKS_FROM:
+        with torch.autocast("cpu", enabled=False):  # bf16 throughout, whatever autocast would pick per op
+            return block_causal_attention(query.to(dtype), key.to(dtype), value.to(dtype), scaling,
+                                          block=CAUSAL_BLOCK)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def _block_causal_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                            is_causal=None, **kwargs):
+    """``packed_sdpa``, with each unpadded causal sequence (whole rows, or the sequences of a packed row)
+    through ``_causal_attention``."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_length = query.shape[2]
+    if (attention_mask is None and causal and q_length > 1 and key.shape[2] == q_length
+            and not (dropout and module.training) and kwargs.get("position_bias") is None
+            and not kwargs.get("output_attentions", False)):
+        position_ids = kwargs.get("position_ids")
+        segments = [(0, q_length)]
+        if position_ids is not None and query.shape[0] == 1 and position_ids.shape[-1] == q_length:
+            segments = packed_segments(position_ids)
+        parts = [_causal_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling) for s, e in segments]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return out.transpose(1, 2).contiguous(), None
+    return _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
 def register_packed_attention() -> str:
-    """Register ``packed_sdpa`` with transformers (idempotent); return its name."""
+    """Register ``packed_sdpa`` and ``block_causal`` with transformers (idempotent); return packed_sdpa's name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(PACKED_SDPA, _packed_sdpa_attention)
     AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
+    AttentionInterface.register(BLOCK_CAUSAL, _block_causal_attention)
+    AttentionMaskInterface.register(BLOCK_CAUSAL, _packed_sdpa_mask)
     return PACKED_SDPA

@@ -111,8 +111,9 @@ class ModelConfig(StageConfig):
                                 "adapters on top (the adapter-free reference() is then the loaded policy) and save "
                                 "whole merged models")
     attn_implementation: str = Field("packed_sdpa", description="attention kernel: packed_sdpa (sdpa that attends "
-                                     "per sequence in packed rows, see qevolve.models.attention), sdpa, eager, "
-                                     "flash_attention_2")
+                                     "per sequence in packed rows, see qevolve.models.attention), block_causal "
+                                     "(packed_sdpa with compiled block-by-block causal attention for long bf16 CPU "
+                                     "sequences: faster training, more memory), sdpa, eager, flash_attention_2")
 
 
     def for_acting(self) -> "ModelConfig":
@@ -321,7 +322,7 @@ def load_policy(config: ModelConfig, trainable: bool = True) -> Policy:
                                       config.hub)
     offline = {} if config.hub else {"local_files_only": True}  # never a network call unless asked for
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if config.attn_implementation == "packed_sdpa":
+    if config.attn_implementation in ("packed_sdpa", "block_causal"):
         from qevolve.models.attention import register_packed_attention
 
         register_packed_attention()
