@@ -237,15 +237,6 @@ def measure(lengths: list[int], names: list[str], repeats: int = 3, chunk: int =
     return rows
 
 
-def print_rows(rows: list[dict[str, Any]]) -> None:
-    columns = list(rows[0])
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)) + " |")
-
-
 def matmul_rate(size: int = 2048, repeats: int = 8) -> float:
     """Best bf16 FLOP/s of a square matmul: the machine's attainable peak for this precision."""
     a, b = torch.randn(size, size, dtype=torch.bfloat16), torch.randn(size, size, dtype=torch.bfloat16)
@@ -279,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
           f"bf16 matmul {matmul_rate() / 1e9:.0f} GFLOP/s", flush=True)
     rows = measure([int(n) for n in args.lengths.split(",")], names, repeats=args.repeats, chunk=args.chunk,
                    block=args.block, dynamic=args.dynamic)
+    from train_throughput import print_rows  # the benchmarks' shared table printer (this script's folder)
+
     print_rows(rows)
     if args.json_out:
         with open(args.json_out, "w") as f:
