@@ -59,6 +59,15 @@ def launcher_world_size() -> int:
         raise ValueError(f"environment variable WORLD_SIZE={value!r}: expected an integer") from None
 
 
+def launcher_rank() -> int:
+    """This process's rank as a launcher announced it (``RANK``; 0 without a launcher)."""
+    value = os.environ.get("RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable RANK={value!r}: expected an integer") from None
+
+
 def shard_round_robin(items: list[Any], rank: int, world_size: int, pad: Any) -> list[tuple[Any, float]]:
     """This rank's share of ``items`` (every ``world_size``-th, from ``rank``), as (item, weight 1.0), padded
     with (``pad``, weight 0.0) to ``ceil(len(items) / world_size)`` entries so that every rank has as many."""

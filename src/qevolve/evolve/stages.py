@@ -259,14 +259,17 @@ def evaluation_settings(config: EvolveSettings, prefix: str) -> dict[str, Any]:
 
 def record_evaluation(policy_folder: Path, config: EvolveSettings, prefix: str) -> None:
     """Add :func:`evaluation_settings` to the saved policy at ``policy_folder`` (its ``qevolve_policy.json``;
-    nothing when the stage saved no final policy)."""
+    nothing when the stage saved no final policy). In a launched stage rank 0 alone writes, as it alone
+    saved the policy: another rank rewriting the file could leave rank 0 reading it half written."""
+    from qevolve.atomic_io import atomic_write_text
+    from qevolve.distributed import launcher_rank
     from qevolve.models.loading import POLICY_INFO, read_policy_info
 
     path = Path(policy_folder) / POLICY_INFO
-    if path.is_file():
+    if launcher_rank() == 0 and path.is_file():
         info = read_policy_info(policy_folder)
         info["evaluation"] = evaluation_settings(config, prefix)
-        path.write_text(json.dumps(info, indent=1, default=str))
+        atomic_write_text(path, json.dumps(info, indent=1, default=str))
 
 
 # ------------------------------------------------------------------------------------------ the stages
