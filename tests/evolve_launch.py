@@ -6,6 +6,7 @@ conftest.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -51,6 +52,19 @@ if faults and folder and os.environ.get("RANK") == "1" and len(os.listdir(folder
 
     Trainer.optimizer_step = optimizer_step
 '''
+
+
+def install_fault_hook(tmp_path: Path, monkeypatch, faults: str) -> Path:
+    """Put :data:`FAULT_HOOK` on the ranks' PYTHONPATH with ``faults`` (e.g. ``raise,kill``); returns the folder
+    where each fault leaves a file when it fires."""
+    hook, fired = tmp_path / "hook", tmp_path / "fired"
+    hook.mkdir()
+    fired.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
+    monkeypatch.setenv("QEVOLVE_TEST_FAULTS", faults)
+    monkeypatch.setenv("QEVOLVE_TEST_FAULT_DIR", str(fired))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    return fired
 
 
 def tiny_config(runs_dir: Path, experts: Path, model_dir: Path, *extra: str) -> EvolveConfig:

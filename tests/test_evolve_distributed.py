@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from evolve_launch import (FAULT_HOOK, TRAINING, WEIGHT_TOL, assert_same_trajectories, children, stages, tiny_config,
+from evolve_launch import (TRAINING, install_fault_hook, WEIGHT_TOL, assert_same_trajectories, children, stages, tiny_config,
                            weights)
 
 from qevolve.evolve import stage_worker
@@ -88,13 +88,7 @@ def test_two_processes_give_the_same_trajectories_and_weights_within_ddp_toleran
 
 def test_a_failing_or_killed_rank_fails_the_stage_on_one_line_and_resume_finishes_it(counter_experts, tiny_model_dir,
                                                                                     tmp_path, monkeypatch):
-    hook, fired = tmp_path / "hook", tmp_path / "fired"
-    hook.mkdir()
-    fired.mkdir()
-    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
-    monkeypatch.setenv("QEVOLVE_TEST_FAULTS", "raise,kill")
-    monkeypatch.setenv("QEVOLVE_TEST_FAULT_DIR", str(fired))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    fired = install_fault_hook(tmp_path, monkeypatch, "raise,kill")
     # bc: 3 steps, a checkpoint after each
     config = tiny_config(tmp_path / "runs", counter_experts, tiny_model_dir, "iterations=0", "baselines=[]",
                          "distributed.nproc_per_node=2", "bc.max_steps=3")

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from evolve_launch import (FAULT_HOOK, TRAINING, WEIGHT_TOL, assert_same_trajectories, processes_mentioning, stages,
+from evolve_launch import (TRAINING, install_fault_hook, WEIGHT_TOL, assert_same_trajectories, processes_mentioning, stages,
                            tiny_config, wait_until, weights)
 
 from qevolve.evolve.loop import recorded_config, run_evolve
@@ -94,13 +94,7 @@ def test_two_nodes_run_the_loop_and_give_the_two_process_results(evolve_referenc
 
 def test_a_killed_follower_fails_the_stage_on_one_line_and_resume_finishes_it(counter_experts, tiny_model_dir,
                                                                                tmp_path, monkeypatch):
-    hook, fired = tmp_path / "hook", tmp_path / "fired"
-    hook.mkdir()
-    fired.mkdir()
-    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
-    monkeypatch.setenv("QEVOLVE_TEST_FAULTS", "kill_node")
-    monkeypatch.setenv("QEVOLVE_TEST_FAULT_DIR", str(fired))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    fired = install_fault_hook(tmp_path, monkeypatch, "kill_node")
     # bc: 3 steps, a checkpoint after each; rank 1 (node 1's only rank) kills its follower in step 2
     config = two_node_config(tmp_path / "runs", counter_experts, tiny_model_dir, "iterations=0", "baselines=[]",
                              "bc.max_steps=3")

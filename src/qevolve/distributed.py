@@ -50,22 +50,23 @@ class DistributedConfig(StageConfig):
                              "the run fails")
 
 
-def launcher_world_size() -> int:
-    """The world size a launcher announced (``WORLD_SIZE``; 1 without a launcher)."""
-    value = os.environ.get("WORLD_SIZE", "1")
+def _launcher_number(name: str, default: int) -> int:
+    """An integer a launcher announced in the environment variable ``name`` (``default`` without one)."""
+    value = os.environ.get(name, str(default))
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable WORLD_SIZE={value!r}: expected an integer") from None
+        raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
+
+
+def launcher_world_size() -> int:
+    """The world size a launcher announced (``WORLD_SIZE``; 1 without a launcher)."""
+    return _launcher_number("WORLD_SIZE", 1)
 
 
 def launcher_rank() -> int:
     """This process's rank as a launcher announced it (``RANK``; 0 without a launcher)."""
-    value = os.environ.get("RANK", "0")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable RANK={value!r}: expected an integer") from None
+    return _launcher_number("RANK", 0)
 
 
 def shard_round_robin(items: list[Any], rank: int, world_size: int, pad: Any) -> list[tuple[Any, float]]:

@@ -351,13 +351,14 @@ def run_main(request_path: str) -> None:
     import torch
 
     from qevolve.atomic_io import atomic_write_text
+    from qevolve.distributed import launcher_rank
     from qevolve.evolve.settings import EvolveSettings
     from qevolve.evolve.stages import StageContext
     from qevolve.seeding import seed_everything
 
     _die_with_parent(signal.SIGKILL)
     request = json.loads(Path(request_path).read_text())
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_rank()
     torch.set_num_threads(request["threads"])
     config = EvolveSettings.model_validate(request["config"])
     options = {key: _decode_option(value) for key, value in request["options"].items()}
