@@ -212,8 +212,9 @@ def stop_launcher(process: subprocess.Popen) -> None:
 
 
 #: how long node 0 waits for the other nodes' failure records when its own names no cause (its ranks only
-#: lost a peer): the other nodes' launchers write theirs once their ranks have ended
-OTHER_NODES_WAIT_S = 15.0
+#: lost a peer): the other nodes' launchers write theirs once their ranks have ended, and torch's launcher
+#: gives stopping ranks up to 30 s before it kills them, so the wait covers that grace and some margin
+OTHER_NODES_WAIT_S = 45.0
 
 
 def _read_failures(workdir: Path, nnodes: int) -> list[dict[str, Any]]:
