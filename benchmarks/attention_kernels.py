@@ -23,8 +23,10 @@ Candidates (``--candidates``, default all but the slow ones marked *):
     compiled eager      the eager maths under torch.compile (key/value heads shared by folding each group's
                         query heads into one matmul); its compilation is in "first call s"
     compiled blocks     qevolve.models.attention.block_causal_attention (the ``block_causal`` attention): per
-                        block of --block queries, the same maths on the block's causal prefix of keys, one
-                        torch.compile'd function dynamic in the length (compiled once, on the first length)
+                        block of --block queries, the same maths on the block's causal prefix of keys, a
+                        forward and a backward torch.compile'd function dynamic in the length (compiled once,
+                        on the first length); the backward recomputes the probabilities from the forward's
+                        log-sum-exp, as flash attention does
 
 FlexAttention is not a candidate: in torch 2.13 it raises on CPU when an input requires grad
 ("FlexAttention does not support backward on CPU"), and its compiled CPU forward was slower than the

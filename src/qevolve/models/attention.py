@@ -21,15 +21,14 @@ transformers' DynamicCache; docs/memory.md has the table.
 
 ``block_causal`` (opt-in, also registered here) is ``packed_sdpa`` with a faster causal attention for long
 bf16 sequences on CPU, for training: each block of ``CAUSAL_BLOCK`` queries attends to its causal prefix
-of keys through two bf16 matmuls and a softmax compiled by ``torch.compile`` (dynamic in the sequence
-length; the masked upper triangle is skipped block by block). PyTorch's fused CPU kernel reaches a
-fraction of the matmul rate there; ``benchmarks/attention_kernels.py`` measured 1.2-2.1x on forward +
-backward at 2,048-2,900 tokens (SmolLM2-135M's layer, bf16; 1.2-1.5x at 2,900), 1.24-1.37x on a whole
-training step, with differences from the fused kernel at bf16 rounding level (docs/performance.md,
-"Attention kernels on this CPU"). It keeps each block's probabilities for the backward pass (bf16, about
-heads x tokens^2 bytes per layer and sequence: 93 MB for 9 heads at 2,900 tokens, 2.8 GB over SmolLM2's
-30 layers) where the fused kernel keeps 3 MB (its output and log-sum-exp), and its first calls in a
-process compile for 5-15 seconds (two graphs, then any length).
+of keys through two bf16 matmuls and a float32 softmax compiled by ``torch.compile`` (dynamic in the sequence
+length; the masked upper triangle is skipped block by block). As in flash attention, the forward pass keeps
+only its output and one log-sum-exp per query and head, and the backward pass recomputes each block's
+probabilities from them, so the memory it keeps grows linearly with the length, like the fused kernel's.
+PyTorch's fused CPU kernel reaches a fraction of the matmul rate at these lengths;
+``benchmarks/attention_kernels.py`` measures both on SmolLM2-135M's layer (docs/performance.md, "Attention
+kernels on this CPU"), with differences from the fused kernel at bf16 rounding level. Its first calls in a
+process compile for 5-15 seconds (a forward and a backward graph, then any length).
 """
 
 from __future__ import annotations
@@ -94,24 +93,96 @@ def _packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
                      attention_mask=attention_mask, **kwargs)
 
 
-def _causal_block(query_block, key_prefix, value_prefix, start: int, scaling: float):
-    """Queries start..start+B (``query_block``) against keys 0..start+B, causal inside the block.
+def _block_scores(query_block, key_prefix, start: int, scaling: float):
+    """Masked float32 scores of queries start..start+B against keys 0..start+B: (batch, kv heads, groups, B, keys).
 
-    The query heads that share a key/value head are folded into one (groups x B) x dim matrix, so one
-    matmul serves the whole group and no key/value head is copied. The softmax runs on the bf16 scores
-    (computed in float32 inside the compiled kernel) and keeps bf16 probabilities."""
+    The query heads that share a key/value head are folded into one (groups x B) x dim matrix, so one bf16
+    matmul serves the whole group and no key/value head is copied."""
     batch, heads, block, dim = query_block.shape
     kv_heads, keys = key_prefix.shape[1], key_prefix.shape[2]
     groups = heads // kv_heads
     scores = query_block.reshape(batch, kv_heads, groups * block, dim) @ key_prefix.transpose(-1, -2)
-    scores = scores.view(batch, kv_heads, groups, block, keys) * scaling
+    scores = scores.view(batch, kv_heads, groups, block, keys).float() * scaling
     rows = start + torch.arange(block, dtype=torch.int32, device=scores.device).unsqueeze(1)
     keep = torch.arange(keys, dtype=torch.int32, device=scores.device) <= rows
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-    return (probs.view(batch, kv_heads, groups * block, keys) @ value_prefix).view(batch, heads, block, dim)
+    return scores.masked_fill(~keep, float("-inf"))
 
 
-_compiled_causal_block = None
+def _block_forward(query_block, key_prefix, value_prefix, start: int, scaling: float):
+    """One block's output and the log-sum-exp of its scores (batch, heads, B), which the backward pass
+    recomputes the probabilities from."""
+    batch, heads, block, dim = query_block.shape
+    kv_heads, keys = key_prefix.shape[1], key_prefix.shape[2]
+    scores = _block_scores(query_block, key_prefix, start, scaling)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - lse).to(value_prefix.dtype).view(batch, kv_heads, heads // kv_heads * block, keys)
+    return (probs @ value_prefix).view(batch, heads, block, dim), lse.view(batch, heads, block)
+
+
+def _block_backward(query_block, key_prefix, value_prefix, out_grad, delta, lse, start: int, scaling: float):
+    """Gradients of one block: dq for its queries, and its share of dk and dv over the prefix's keys.
+
+    With P = softmax(S), O = P V and D = rowsum(dO * O): dV = P^T dO, dS = P * (dO V^T - D), dQ = scale dS K
+    and dK = scale dS^T Q; P is recomputed from the forward's log-sum-exp instead of being kept."""
+    batch, heads, block, dim = query_block.shape
+    kv_heads, keys = key_prefix.shape[1], key_prefix.shape[2]
+    groups = heads // kv_heads
+    probs = torch.exp(_block_scores(query_block, key_prefix, start, scaling)
+                      - lse.view(batch, kv_heads, groups, block, 1))
+    folded_grad = out_grad.reshape(batch, kv_heads, groups * block, dim)
+    value_grad = probs.to(value_prefix.dtype).view(batch, kv_heads, groups * block, keys).transpose(-1, -2) @ folded_grad
+    probs_grad = (folded_grad @ value_prefix.transpose(-1, -2)).view(batch, kv_heads, groups, block, keys).float()
+    scores_grad = (probs * (probs_grad - delta.view(batch, kv_heads, groups, block, 1)) * scaling)
+    scores_grad = scores_grad.to(query_block.dtype).view(batch, kv_heads, groups * block, keys)
+    query_grad = (scores_grad @ key_prefix).view(batch, heads, block, dim)
+    key_grad = scores_grad.transpose(-1, -2) @ query_block.reshape(batch, kv_heads, groups * block, dim)
+    return query_grad, key_grad, value_grad
+
+
+_compiled: dict[str, object] = {}
+
+
+def _compiled_block(name: str):
+    if name not in _compiled:  # compiled on first use: dynamic in the length, so two graphs serve every length
+        _compiled[name] = torch.compile({"forward": _block_forward, "backward": _block_backward}[name], dynamic=True)
+    return _compiled[name]
+
+
+class _BlockCausalAttention(torch.autograd.Function):
+    """Causal attention block by block, keeping only the output and one log-sum-exp per query and head for the
+    backward pass (as flash attention does), not the probabilities. The tokens are a multiple of ``block``."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling: float, block: int):
+        forward = _compiled_block("forward")
+        outs, lses = [], []
+        for s in range(0, query.shape[2], block):
+            out, lse = forward(query[:, :, s:s + block], key[:, :, :s + block], value[:, :, :s + block], s, scaling)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scaling, ctx.block = scaling, block
+        return out
+
+    @staticmethod
+    def backward(ctx, out_grad):
+        query, key, value, out, lse = ctx.saved_tensors
+        backward = _compiled_block("backward")
+        out_grad = out_grad.to(query.dtype)
+        delta = (out_grad.float() * out.float()).sum(-1)  # D = rowsum(dO * O), float32
+        query_grad = torch.empty_like(query)
+        key_grad = torch.zeros(key.shape, dtype=torch.float32, device=key.device)  # summed over blocks in float32
+        value_grad = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+        block = ctx.block
+        for s in range(0, query.shape[2], block):
+            q_grad, k_grad, v_grad = backward(query[:, :, s:s + block], key[:, :, :s + block],
+                                              value[:, :, :s + block], out_grad[:, :, s:s + block],
+                                              delta[:, :, s:s + block], lse[:, :, s:s + block], s, ctx.scaling)
+            query_grad[:, :, s:s + block] = q_grad
+            key_grad[:, :, :s + block] += k_grad
+            value_grad[:, :, :s + block] += v_grad
+        return query_grad, key_grad.to(key.dtype), value_grad.to(value.dtype), None, None
 
 
 def block_causal_attention(query, key, value, scaling: float | None = None, block: int = CAUSAL_BLOCK):
@@ -119,19 +190,13 @@ def block_causal_attention(query, key, value, scaling: float | None = None, bloc
 
     The tokens are padded at the end to a multiple of ``block``: causality keeps the padding out of every
     real query's keys, and the padded rows are dropped."""
-    global _compiled_causal_block
-    if _compiled_causal_block is None:
-        _compiled_causal_block = torch.compile(_causal_block, dynamic=True)
     n = query.shape[2]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     pad = -n % block
     if pad:  # padded in the (batch, tokens, heads, dim) layout transformers' projections give, then viewed back
         query, key, value = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
                              for t in (query, key, value))
-    parts = [_compiled_causal_block(query[:, :, s:s + block], key[:, :, :s + block], value[:, :, :s + block], s,
-                                    scale)
-             for s in range(0, n + pad, block)]
-    return torch.cat(parts, dim=2)[:, :, :n]
+    return _BlockCausalAttention.apply(query, key, value, scale, block)[:, :, :n]
 
 
 def _causal_attention(query, key, value, scaling):
