@@ -61,8 +61,52 @@ def test_the_registered_webshop_judge_reads_the_installed_goals(webshop_installe
     assert judge(episode) == [(PRODUCT, True), (PRODUCT, False)]
     with pytest.raises(ValueError, match="is not a goal of the installed catalogue"):
         judge(_episode("far", True, ["search[x]"], task="goal-99999"))
-    assert turn_judge("alfworld") is None  # no judge registered: no audit
-    assert turn_judge("no-such-environment") is None
+    assert turn_judge("no-such-environment") is None  # no judge registered: no audit
+
+
+CLEAN_MUG = "pick_clean_then_place_in_recep-Mug-None-CoffeeMachine-10/trial_T20190909_000000_000000"
+
+
+def test_alfworld_judges_valid_actions_that_serve_the_task_or_are_useless():
+    from qevolve.environments.alfworld.judge import MOVE, TAKE, TRANSFORM, USE, judge_turns, task_goal
+
+    goal = task_goal(CLEAN_MUG)
+    assert (goal.task_type, goal.target, goal.receptacle) == ("pick_clean_then_place_in_recep", "mug", "coffeemachine")
+    episode = _episode("a", True, ["go to countertop 1", "take apple 1 from countertop 1", "take mug 2 from countertop 1",
+                                   "!take mug 1 from countertop 1", "heat mug 2 with microwave 1",
+                                   "clean mug 2 with sinkbasin 1", "clean apple 1 with sinkbasin 1",
+                                   "move apple 1 to coffeemachine 1", "put mug 2 in/on coffeemachine 1",
+                                   "move mug 2 to countertop 2", "use desklamp 1", "examine mug 2", "look", ""],
+                       env="alfworld", task=CLEAN_MUG)
+    assert judge_turns(episode, goal) == [
+        None,  # moving around is not judged
+        (TAKE, False), (TAKE, True),  # another object; the task's
+        None,  # rejected by the environment ("Nothing happens."): invalid, not useless
+        (TRANSFORM, False), (TRANSFORM, True), (TRANSFORM, False),  # the wrong change; the task's; the wrong object
+        (MOVE, False), (MOVE, True), (MOVE, False),  # another object; the task's (older wording); the wrong place
+        (USE, False),  # a lamp, in a task that is not about looking at something under one
+        None, None, None]  # examine, look and a format error are not judged
+    look = task_goal("look_at_obj_in_light-AlarmClock-None-DeskLamp-301/trial_T1")
+    lamp = _episode("b", True, ["take alarmclock 1 from desk 1", "use desklamp 1", "use floorlamp 1",
+                                "move alarmclock 1 to desk 1"], env="alfworld", task=look.task_type)
+    assert judge_turns(lamp, look) == [(TAKE, True), (USE, True), (USE, False), (MOVE, False)]
+    with pytest.raises(ValueError, match="expected a game folder named"):
+        task_goal("not-an-alfworld-task")
+
+
+def test_the_registered_alfworld_judge_reads_the_task_id_and_drives_the_audit():
+    judge = turn_judge("alfworld")
+    assert judge is not None
+    served = _episode("won", True, ["take mug 1 from countertop 1", "take apple 1 from countertop 1"],
+                      advantages=[1.0, -1.0], env="alfworld", task=CLEAN_MUG)
+    wasted = _episode("lost", False, ["take mug 1 from countertop 1", "take apple 1 from countertop 1"],
+                      advantages=[0.5, 0.0], env="alfworld", task=CLEAN_MUG)
+    assert judge(served) == [("take", True), ("take", False)]
+    audit = label_audit([served, wasted], standardize="none")
+    (row,) = [r for r in audit["rows"] if r["action_kind"] == "take" and r["outcome"] == "all"]
+    assert (row["correct"], row["wrong"]) == (2, 2)
+    assert row["auc_correct_vs_wrong"] == pytest.approx(1.0)  # every useful take above every useless one
+    assert audit_metrics(audit)["audit_take_auc"] == pytest.approx(1.0)
 
 
 def _audit_buffer():
@@ -113,7 +157,7 @@ def test_label_audit_refuses_unlabelled_or_mixed_buffers_and_skips_environments_
     mixed = [_episode("a", True, ["x"], [0.0], env="webshop"), _episode("b", True, ["x"], [0.0], env="alfworld")]
     with pytest.raises(ValueError, match="mixes environments"):
         label_audit(mixed)
-    assert label_audit([_episode("a", True, ["go"], [0.0], env="alfworld")]) is None
+    assert label_audit([_episode("a", True, ["go"], [0.0], env="sciworld")]) is None  # no judge: no audit
     # an environment given as module:name finds the judge registered under its name
     register_turn_judge("CounterEnv", lambda: _toy_judge)
     counter = [_episode(n, won, ["right", "wrong"], [1.0, -1.0], env="qevolve.environments.testing:CounterEnv")
@@ -153,12 +197,12 @@ def test_cli_label_audit(tmp_path, webshop_installed):
     result = runner.invoke(app, ["data", "label-audit", str(tmp_path / "labelled.parquet"), "--json"])
     audit = json.loads(result.output)
     assert audit["rows"][-1]["auc_correct_vs_wrong"] == 1.0
-    episodes = [_episode("a", True, ["go"], [0.0], env="alfworld")]
+    episodes = [_episode("a", True, ["go"], [0.0], env="sciworld")]
     write_episodes(tmp_path / "alf.parquet", episodes)
     result = runner.invoke(app, ["data", "label-audit", str(tmp_path / "alf.parquet")])
     # the error panel wraps its text at the terminal's width, at a place that depends on the tmp path's length
     unwrapped = " ".join(result.output.replace("│", " ").split())
-    assert result.exit_code == 2 and "environment alfworld has no turn judge" in unwrapped
+    assert result.exit_code == 2 and "environment sciworld has no turn judge" in unwrapped
 
 
 def test_the_label_summary_splits_by_won_and_by_positive_final_score(tiny_critic_init, tmp_path):

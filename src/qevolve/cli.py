@@ -260,7 +260,8 @@ def data_label_audit(
                                         "(its default), buffer_scale or none"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """Do the labels put the right actions above the wrong ones? The environment judges each action it can
-    (WebShop: product and option clicks against the goal's target)."""
+    (WebShop: product and option clicks against the goal's target; ALFWorld: takes, moves, cleaning, heating,
+    cooling and lamp use against the task its game names)."""
     from qevolve.evaluation.diagnostics import label_audit
 
     def compute(episodes: list) -> dict:
