@@ -10,7 +10,8 @@ node). On the tiny run of tests/evolve_launch.py (BC, one iteration and the rft 
 * the follower killed in a step of bc fails node 0's stage with one line naming the stage and the
   follower's rank, leaves no process behind on either "node", and node 0's ``--resume`` with the
   follower started again finishes the run;
-* nnodes above 1 without master_addr, and a follower's options node 0 alone takes, are one-line errors.
+* nnodes above 1 without master_addr, and a follower's options node 0 alone takes, are one-line errors;
+* node 0's heartbeat keeps a waiting follower waiting, and its end (node 0 killed) ends the follower.
 """
 
 from __future__ import annotations
@@ -153,3 +154,44 @@ def test_a_run_over_nodes_needs_master_addr_and_a_follower_takes_no_run_options(
     result = runner.invoke(app, ["evolve", "--config", str(path), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "bc  (training: 2 nodes x 1 process)" in result.output
+
+
+def test_node_0_beats_while_its_run_goes_and_a_waiting_follower_ends_when_the_beats_stop(
+        counter_experts, tiny_model_dir, tmp_path):
+    """Node 0 advances a heartbeat in its launch file until its run ends; a follower waiting between stages
+    ends with one line when the heartbeat stops moving (node 0 killed without ending its run), measured by
+    its own clock; a run that ends normally ends the follower normally."""
+    import json
+    import threading
+    import time
+
+    from qevolve.evolve.nodes import FollowerError, LaunchAnnouncer, follow, run_root
+
+    config = two_node_config(tmp_path, counter_experts, tiny_model_dir, "distributed.heartbeat_timeout_s=1")
+    root = run_root(config)
+    root.mkdir(parents=True)
+    announcer = LaunchAnnouncer(root, beat_s=0.05)
+    assert wait_until(lambda: json.loads((root / LAUNCH).read_text())["beat"] >= 3, timeout_s=10)
+    # a follower waits through the beats and ends when node 0's run finishes
+    messages: list[str] = []
+    ender = threading.Timer(1.5, announcer.end, args=(True,))  # longer than the timeout: the beats kept it waiting
+    ender.start()
+    follow(config, 1, log=messages.append, poll_s=0.02)
+    ender.join()
+    assert messages[-1] == "node 1: node 0's run finished"
+    state = json.loads((root / LAUNCH).read_text())
+    time.sleep(0.2)
+    assert json.loads((root / LAUNCH).read_text()) == state  # no beat after the end
+    # node 0 "killed": a running launch file whose heartbeat no longer moves
+    (root / LAUNCH).write_text(json.dumps({**state, "session": "killed", "state": "running"}))
+    start = time.monotonic()
+    with pytest.raises(FollowerError) as error:
+        follow(config, 1, log=messages.append, poll_s=0.02)
+    assert 1.0 <= time.monotonic() - start < 10
+    message = str(error.value)
+    assert message.startswith("node 0 gave no sign of life for 1 s") and "\n" not in message
+    assert "heartbeat_timeout_s=1): it was killed or lost without ending its run" in message
+    from qevolve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s=0.5: expected at least 1 second"):
+        two_node_config(tmp_path, counter_experts, tiny_model_dir, "distributed.heartbeat_timeout_s=0.5")

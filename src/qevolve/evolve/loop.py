@@ -456,7 +456,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
         log("format probe skipped: no expert store to draw its states from (set bc.data.train_path)")
     nnodes = config.distributed.nnodes
     # node 0 of several: the other nodes' followers join the training stages it announces (qevolve.evolve.nodes)
-    announcer = LaunchAnnouncer(root) if nnodes > 1 else None
+    announcer = LaunchAnnouncer(root, beat_s=config.distributed.heartbeat_timeout_s / 6) if nnodes > 1 else None
     finished = False
     try:
         qevolve(run)

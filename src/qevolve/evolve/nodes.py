@@ -9,7 +9,11 @@ one node); it launches every training stage with torch's static rendezvous (see
 
 ``session`` is new for every ``run_evolve`` of node 0, ``launch`` counts its launched stages,
 ``request`` is the stage being launched (null between stages) and ``state`` is ``running`` until
-``run_evolve`` ends, then ``finished`` or ``stopped``.
+``run_evolve`` ends, then ``finished`` or ``stopped``. ``beat`` is node 0's heartbeat: a counter a thread
+of node 0 advances every few seconds while its run is going. A follower waiting between stages ends with
+an error when the counter has not moved for ``distributed.heartbeat_timeout_s`` by its own clock (so the
+nodes' clocks need not agree): node 0 was killed (SIGKILL, a lost machine) without ending its run.
+During a stage, torch's launcher notices a lost node itself.
 
 Every other node runs a follower (:func:`follow`, ``qevolve evolve --config SAME --node-rank R``): it
 resolves the same run folder from the same config, waits for node 0's launches, starts its own
@@ -20,6 +24,7 @@ run does. It writes nothing of the run's but its launcher's failure record in th
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,28 +48,37 @@ def run_root(config: Any) -> Path:
 
 
 class LaunchAnnouncer:
-    """Node 0's side: the launch file of one ``run_evolve``."""
+    """Node 0's side: the launch file of one ``run_evolve``, and its heartbeat every ``beat_s`` seconds."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, beat_s: float = 20.0):
         self.path = root / LAUNCH
-        self.state = {"session": uuid.uuid4().hex, "launch": 0, "request": None, "state": "running"}
+        self.state = {"session": uuid.uuid4().hex, "launch": 0, "request": None, "state": "running", "beat": 0}
+        self._lock = threading.Lock()  # the heartbeat thread and the loop write the same file
+        self._stopped = threading.Event()
         self._write()
+        self._beats = threading.Thread(target=self._beat, args=(beat_s,), name="qevolve-heartbeat", daemon=True)
+        self._beats.start()
 
-    def _write(self) -> None:
+    def _write(self, **changes: Any) -> None:
         from qevolve.atomic_io import write_json_atomic
 
-        write_json_atomic(self.path, self.state)
+        with self._lock:
+            self.state.update(changes)
+            write_json_atomic(self.path, self.state)
+
+    def _beat(self, beat_s: float) -> None:
+        while not self._stopped.wait(beat_s):
+            self._write(beat=self.state["beat"] + 1)
 
     def launch(self, request: Path | None) -> None:
         """``request``: a stage is being launched (the other nodes join it); None: the launched stage ended."""
-        if request is not None:
-            self.state["launch"] += 1
-        self.state["request"] = None if request is None else str(request)
-        self._write()
+        launch = self.state["launch"] + (request is not None)
+        self._write(launch=launch, request=None if request is None else str(request))
 
     def end(self, finished: bool) -> None:
-        self.state.update(request=None, state="finished" if finished else "stopped")
-        self._write()
+        self._stopped.set()
+        self._beats.join()
+        self._write(request=None, state="finished" if finished else "stopped")
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -91,6 +105,7 @@ def follow(config: Any, node_rank: int, log: Callable[[str], None] = print, poll
     earlier = _read(path)
     ignored = earlier["session"] if earlier and earlier["state"] != "running" else None
     session, joined = None, 0
+    beat, heard = None, time.monotonic()  # node 0's last heartbeat, and when (this node's clock) it last moved
     log(f"node {node_rank} of {settings.nnodes}: waiting for node 0's training stages (announced in {path})")
     while True:
         state = _read(path)
@@ -99,6 +114,8 @@ def follow(config: Any, node_rank: int, log: Callable[[str], None] = print, poll
             continue
         if state["session"] != session:
             session, joined = state["session"], 0
+        if (state["session"], state.get("beat")) != beat:
+            beat, heard = (state["session"], state.get("beat")), time.monotonic()
         if state["request"] is not None and state["launch"] > joined:
             joined = state["launch"]
             request = Path(state["request"])
@@ -115,12 +132,19 @@ def follow(config: Any, node_rank: int, log: Callable[[str], None] = print, poll
             if code != 0:
                 raise FollowerError(_failure(request, node_rank, code))
             log(f"node {node_rank}: launch {joined} done; waiting for the next")
+            heard = time.monotonic()  # the heartbeat was not watched during the stage
             continue
         if state["state"] == "finished":
             log(f"node {node_rank}: node 0's run finished")
             return
         if state["state"] == "stopped":
             raise FollowerError("node 0's run stopped (its log names why); restart this follower with the same "
+                                "command when node 0 resumes")
+        silent = time.monotonic() - heard
+        if state.get("beat") is not None and silent > settings.heartbeat_timeout_s:
+            raise FollowerError(f"node 0 gave no sign of life for {silent:.0f} s (its heartbeat in {path} stopped at "
+                                f"{state['beat']}; distributed.heartbeat_timeout_s={settings.heartbeat_timeout_s:g}): "
+                                "it was killed or lost without ending its run; restart this follower with the same "
                                 "command when node 0 resumes")
         time.sleep(poll_s)
 

@@ -97,7 +97,7 @@ LOCATION_FIELDS = ("name", "runs_dir", "progress")
 RESUME_FREE_FIELDS = (
     "num_threads", "model.num_threads", "tensorboard", "wandb", "distributed.nproc_per_node",
     "distributed.nnodes", "distributed.master_addr", "distributed.master_port", "distributed.join_timeout_s",
-    "keep_finished_checkpoints",
+    "distributed.heartbeat_timeout_s", "keep_finished_checkpoints",
     *(f"{part}.agent.{field}" for part in ("rollout", "eval")
       for field in ("num_workers", "pool.ray_address", "pool.ray_cpus_per_worker")),
     "critic.checkpoint_every_steps", "critic.feature_cache", "critic.feature_cache_dir",

@@ -101,6 +101,10 @@ class LaunchSettings(StageConfig):
                              "other nodes at every training stage (free on node 0, open between the nodes)")
     join_timeout_s: float = Field(600.0, description="seconds a training stage waits for all nnodes nodes to join "
                                   "it before it fails (the rendezvous timeout, whole seconds)")
+    heartbeat_timeout_s: float = Field(120.0, description="seconds a follower waiting between stages goes without "
+                                       "a sign of life from node 0 (a counter node 0 advances in its launch file "
+                                       "every heartbeat_timeout_s / 6 seconds) before it ends with an error: node 0 "
+                                       "was killed or lost without ending its run")
 
     @model_validator(mode="after")
     def _positive(self) -> "LaunchSettings":
@@ -114,6 +118,8 @@ class LaunchSettings(StageConfig):
             raise ValueError(f"master_port={self.master_port}: expected a TCP port from 1 to 65535")
         if not self.join_timeout_s >= 1:
             raise ValueError(f"join_timeout_s={self.join_timeout_s}: expected at least 1 second")
+        if not self.heartbeat_timeout_s >= 1:
+            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s}: expected at least 1 second")
         return self
 
     def processes(self) -> int:
