@@ -7,11 +7,12 @@ env-step budget, and a run killed inside a round that resumes to the same weight
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from online_rounds import assert_rounds_learned_and_counted
 
 from qevolve.buffer.store import read_episodes
 from qevolve.config import ConfigError, load_config
@@ -69,25 +70,7 @@ def test_grpo_rounds_learn_the_rewarded_action_and_the_row_counts_their_env_step
     assert abs(labels["advantage_mean"]) < 1e-9  # group-normalised: every group's advantages sum to 0
     labelled = read_episodes(run / "iter_1/grpo/round_1/label/labelled.parquet")
     assert all(t.value is None and t.advantage is not None for ep in labelled for t in ep.turns)
-    # the policy learned to say the rewarded direction: success of the rounds' own rollouts rose
-    success = [stages[f"iter_1/grpo/round_{r}/rollouts"]["metrics"]["success_rate"] for r in range(1, ROUNDS + 1)]
-    reward = [stages[f"iter_1/grpo/round_{r}/rollouts"]["metrics"]["mean_reward"] for r in range(1, ROUNDS + 1)]
-    assert success[0] < 0.45 and success[-1] >= success[0] + 0.25, success
-    assert reward[-1] > reward[0]
-
-    def said(r: int) -> Counter:
-        return Counter(t.action for ep in read_episodes(run / f"iter_1/grpo/round_{r}/rollouts") for t in ep.turns)
-
-    assert said(ROUNDS)["right"] / sum(said(ROUNDS).values()) > said(1)["right"] / sum(said(1).values()) + 0.2
-    # the GRPO row, with the env steps of all its rounds' rollouts (not its evaluation's)
-    spent = sum(stages[f"iter_1/grpo/round_{r}/rollouts"]["metrics"]["env_steps"] for r in range(1, ROUNDS + 1))
-    assert {row["policy"]: row["env_steps"] for row in table} == {
-        "BC": 0, "Q-Evolve iter 1": stages["iter_1/rollouts"]["metrics"]["env_steps"], "GRPO": spent}
-    assert f"[iter_1/grpo] {ROUNDS} rounds, {spent} env steps" in messages
-    from qevolve.evaluation.compare import compare_runs
-
-    rows = {row["method"]: row for row in compare_runs([run], resamples=100)["rows"]}
-    assert rows["GRPO"]["env_steps"] == spent and rows["SFT (BC)"]["env_steps"] == 0
+    assert_rounds_learned_and_counted(run, stages, table, messages, "grpo", "GRPO", ROUNDS)
 
 
 def test_a_budget_of_env_steps_stops_before_a_round_and_a_kill_inside_a_round_resumes_to_the_same_weights(
