@@ -226,3 +226,20 @@ def test_the_label_summary_splits_by_won_and_by_positive_final_score(tiny_critic
             np.mean([t.advantage for ep in chosen for t in ep.turns]))
     assert summary["v_mean_lost"] != pytest.approx(summary["v_mean_unscored"])  # the scored loss moved between them
     assert summary["value_source"] == "ema" and "v0_success" not in summary
+
+
+def test_the_alfworld_judge_finds_every_judged_expert_action_useful(alfworld_installed):
+    """Real games, real text: ALFWorld's expert demonstrations, two of each task type (interleaved), replayed in
+    the environment. The expert does only what its task needs, so every action the judge can judge is correct,
+    and every kind of judged action occurs."""
+    from qevolve.environments.alfworld import alfworld_expert_jobs
+    from qevolve.environments.play import play_jobs
+
+    jobs, _ = alfworld_expert_jobs(split="train", limit=12)
+    result = play_jobs("alfworld", jobs, split="train", num_workers=2, progress=False)
+    won = [ep for ep in result.episodes if ep.won]
+    assert len(won) >= 10, result.metrics
+    judge = turn_judge("alfworld")
+    verdicts = [verdict for ep in won for verdict in judge(ep) if verdict is not None]
+    assert {kind for kind, _ in verdicts} == {"take", "move", "transform", "use"}
+    assert all(correct for _, correct in verdicts), [v for v in verdicts if not v[1]]
