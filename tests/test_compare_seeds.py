@@ -123,7 +123,7 @@ def test_two_level_interval_of_the_difference_covers_the_true_difference():
 # ------------------------------------------------------------------------------ fake run directories
 
 
-def _seed_run(root, name, stages, failed=None):
+def _seed_run(root, name, stages, failed=None, environment=None):
     """A run directory whose evaluation stages hold ``stages[stage] = [(task, won, score), ...]``;
     ``failed[stage]`` more episodes of tasks f0, f1, ... failed (lost, reward 0, recorded as failed)."""
     run = root / name
@@ -141,7 +141,8 @@ def _seed_run(root, name, stages, failed=None):
         write_shard(run / stage / "trajectories", 0, episodes)
         records.append({"name": stage, "outputs": {"trajectories": f"{stage}/trajectories"},
                         "metrics": {"failed_episodes": lost}})
-    (run / "manifest.json").write_text(json.dumps({"stages": records}))
+    manifest = {"stages": records, **({"environment": environment} if environment else {})}
+    (run / "manifest.json").write_text(json.dumps(manifest))
     return run
 
 
@@ -265,3 +266,81 @@ def test_runs_of_different_protocols_are_refused_naming_the_run(tmp_path):
     out = CliRunner().invoke(app, ["compare", str(a), str(other_split), "--output", str(tmp_path / "out")])
     assert out.exit_code == 2 and f"{other_split}: no bc/eval_dev" in out.output
     assert len(out.output.strip().splitlines()) == 1, out.output
+
+
+# ------------------------------------------------------------------------------ outcomes files, environments
+
+
+def test_outcomes_files_compare_like_their_run_directories(tmp_path):
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    runs = _seeds(tmp_path / "runs", 3)
+    out = CliRunner().invoke(app, ["export", *map(str, runs), "--output", str(tmp_path / "outcomes")])
+    assert out.exit_code == 0, out.output
+    files = [tmp_path / "outcomes" / f"seed{s}.json" for s in range(3)]
+    assert all(f.is_file() for f in files) and "2 evaluations, 44 episodes" in out.output
+    from_dirs = compare_runs(runs, resamples=300, seed=1)
+    # the run directories are gone (checkpoints pruned, machine lost): the files give the same comparison
+    import shutil
+    shutil.rmtree(tmp_path / "runs")
+    from_files = compare_runs(files, resamples=300, seed=1)
+    for key in ("rows", "seed_rows", "seed_overall", "seed_runs", "diagnostics"):
+        assert from_files[key] == from_dirs[key], key
+    failed = {r["method"]: r["failed_episodes"] for r in from_files["seed_rows"]}
+    assert failed == {"SFT (BC)": 2, "Q-Evolve iter 1": 1}
+    # a file and a directory mix (a seed exported earlier beside one still on disk)
+    again = _seeds(tmp_path / "again", 3)
+    mixed = compare_runs([files[0], files[1], again[2]], resamples=300, seed=1)
+    assert mixed["seed_rows"] == from_dirs["seed_rows"]
+
+
+def test_bad_outcomes_files_and_duplicate_runs_get_one_line_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from qevolve.cli import app
+
+    run = _seeds(tmp_path / "runs", 1)[0]
+    CliRunner().invoke(app, ["export", str(run), "--output", str(tmp_path / "out")])
+    good = json.loads((tmp_path / "out" / "seed0.json").read_text())
+    wrong_format = tmp_path / "wrong.json"
+    wrong_format.write_text(json.dumps({**good, "format": "other/9"}))
+    with pytest.raises(ValueError, match=re.escape(f"{wrong_format}: not an outcomes file (format 'other/9', "
+                                                   "expected 'qevolve-outcomes/1'")):
+        compare_runs([wrong_format])
+    missing = tmp_path / "missing.json"
+    missing.write_text(json.dumps({**good, "outcomes": {"bc/eval_test": good["outcomes"]["bc/eval_test"]}}))
+    with pytest.raises(ValueError, match=re.escape(f"{missing}: no outcomes for the evaluation stage "
+                                                   "'iter_1/eval_test'")):
+        compare_runs([missing])
+    out = CliRunner().invoke(app, ["compare", str(run), str(tmp_path / "out" / "seed0.json"),
+                                   "--output", str(tmp_path / "cmp")])
+    assert out.exit_code == 2 and "two runs named 'seed0'" in out.output, out.output
+    assert len(out.output.strip().splitlines()) == 1, out.output
+    out = CliRunner().invoke(app, ["export", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")])
+    assert out.exit_code == 2 and "not a run directory (no manifest.json)" in out.output
+
+
+def test_seeds_from_different_environments_are_flagged(tmp_path):
+    rng = np.random.default_rng(0)
+    env = {"cpu": {"model": "AMD EPYC", "features": ["avx2", "fma", "avx512f", "avx512_bf16"], "cores": 2},
+           "precision": "bf16", "generation_backend": {"rollout": "vllm", "eval": "vllm"}, "threads": {"torch": 2}}
+    other = {**env, "cpu": {**env["cpu"], "features": ["avx2", "fma"]}, "precision": "fp32",
+             "generation_backend": {"rollout": "hf", "eval": "hf"}}
+
+    def seeds(envs):
+        return [_seed_run(tmp_path / f"{len(envs)}-{id(envs)}", f"s{i}",
+                          {"bc/eval_test": _outcomes(0.3, 8, rng), "iter_1/eval_test": _outcomes(0.5, 8, rng)},
+                          environment=e) for i, e in enumerate(envs)]
+
+    same = compare_runs(seeds([env, env, env]), resamples=50)
+    assert same["environment_differences"] == {} and "not made in one environment" not in render_markdown(same)
+    mixed = compare_runs(seeds([env, env, other]), resamples=50)
+    diff = mixed["environment_differences"]
+    assert set(diff) == {"cpu.features", "precision", "generation_backend"}
+    assert diff["precision"] == {'"bf16"': ["s0", "s1"], '"fp32"': ["s2"]}
+    text = render_markdown(mixed)
+    assert "not made in one environment" in text and '- precision: "bf16" (s0, s1); "fp32" (s2)' in text
+    unrecorded = compare_runs(seeds([env, None]), resamples=50)["environment_differences"]
+    assert unrecorded["precision"] == {'"bf16"': ["s0"], "not recorded": ["s1"]}

