@@ -66,6 +66,24 @@ def test_batched_cached_equals_one_at_a_time_uncached(tiny_model):
     # Reuse encodes only the new tokens: far fewer than re-encoding every history.
     assert fast.stats.cache_rebuilds == 1
     assert fast.stats.prompt_tokens_encoded < slow.stats.prompt_tokens_encoded / 2
+    # the cache's rows are gathered once, when episode 1 ended; the turns whose batch holds the same
+    # episodes in the same order copy nothing
+    assert fast.stats.row_selections == 1
+
+
+def test_a_reordered_batch_gathers_its_rows_and_gets_the_same_turns(tiny_model):
+    stops = frequent_tokens(tiny_model)
+    backend = HFGenerationBackend(tiny_model, stops)
+    fresh = HFGenerationBackend(tiny_model, stops, reuse_cache=False)
+    params = SamplingParams(max_new_tokens=6)
+    prompts = {k: list(range(20 + k, 30 + 2 * k)) for k in range(3)}
+    first = backend.generate([GenerationRequest(k, prompts[k]) for k in range(3)], params)
+    follow = {k: prompts[k] + first[k].token_ids + [50 + k, 60] for k in range(3)}
+    order = [2, 0, 1]
+    again = backend.generate([GenerationRequest(k, follow[k]) for k in order], params)
+    assert backend.stats.row_selections == 1 and backend.stats.cache_rebuilds == 1
+    for k, result in zip(order, again):
+        assert result.token_ids == fresh.generate([GenerationRequest(k, follow[k])], params)[0].token_ids
 
 
 def test_logprobs_match_a_fresh_forward_pass(tiny_model):
