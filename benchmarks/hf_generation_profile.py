@@ -1,0 +1,131 @@
+"""Where the in-process (transformers) generation backend spends an evaluation's time on a CPU.
+
+An evaluation-shaped workload on the embedded model: ``--rows`` episodes generated as one batch, a first
+prompt of about ``--prompt`` tokens, then ``--turns`` turns, each adding ``--observation`` tokens of
+observation to every row and generating ``--generate`` tokens (random token ids; no stop token is ever
+produced, so every row generates the same number of tokens, as the longest row of a real batch makes the
+whole batch do). Per turn it prints the time to encode the new tokens (prompt chunk, through the reused KV
+cache) and the time per decoding step; then it profiles one more turn's encoding and decoding with
+``torch.profiler`` and prints the time per operator group (attention, the linear layers, the output layer,
+gathering the cache's rows, the rest).
+
+``--force-gather`` restores the behaviour before 2026-12-07 (the cache's rows gathered at every call, even
+when the batch holds the same rows in the same order), for a before/after comparison.
+
+    python benchmarks/hf_generation_profile.py [--precision fp32] [--rows 25] [--turns 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+
+def operator_group(name: str, shapes: list) -> str:
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    if name == "aten::mm":
+        return "output layer (vocabulary)" if shapes and len(shapes) > 1 and shapes[1][-1:] and \
+            shapes[1][-1] > 10_000 else "linear layers"
+    if name == "aten::index_select" and shapes and len(shapes[0]) == 4:
+        return "cache row gather"
+    return "rest"
+
+
+def profile_call(backend, requests, params) -> tuple[float, dict[str, float], list]:
+    from torch.profiler import ProfilerActivity, profile
+
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        results = backend.generate(requests, params)
+    seconds = time.perf_counter() - started
+    groups: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages(group_by_input_shape=True):
+        groups[operator_group(event.key, event.input_shapes)] += event.self_cpu_time_total / 1e6
+    total = sum(groups.values())
+    return seconds, {k: v / total * seconds for k, v in groups.items()}, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", default="fp32", help="model.precision (fp32, bf16, bf16-autocast)")
+    parser.add_argument("--rows", type=int, default=25, help="episodes in the batch (the eval's batch_size)")
+    parser.add_argument("--prompt", type=int, default=800, help="first prompt length in tokens (about)")
+    parser.add_argument("--turns", type=int, default=4, help="timed turns before the profiled one")
+    parser.add_argument("--observation", type=int, default=290, help="new observation tokens per turn")
+    parser.add_argument("--generate", type=int, default=40, help="generated tokens per turn")
+    parser.add_argument("--force-gather", action="store_true", help="gather the cache's rows at every call")
+    args = parser.parse_args()
+
+    from qevolve.machine import run_environment
+    from qevolve.models.loading import ModelConfig, load_policy
+    from qevolve.rollouts.generation import GenerationRequest, HFGenerationBackend, SamplingParams
+
+    torch.manual_seed(0)
+    policy = load_policy(ModelConfig(name_or_path="default", precision=args.precision), trainable=False)
+    vocab = policy.model.config.vocab_size
+    autocast = torch.bfloat16 if policy.precision == "bf16-autocast" else None
+    backend = HFGenerationBackend(policy.model, [vocab + 1], 0, autocast_dtype=autocast)  # never sampled
+    if args.force_gather:
+        def always_gather(self, indices):  # the code before the identity check
+            index = torch.tensor(indices, dtype=torch.long, device=self.device)
+            self._cache.batch_select_indices(index)
+            self._mask = self._mask.index_select(0, index)
+            self._rows = [self._rows[i] for i in indices]
+            self.stats.row_selections += 1
+
+        backend._select_rows = always_gather.__get__(backend)
+    env = run_environment({"precision": policy.precision})
+    print(f"{platform.processor() or platform.machine()}: {env['cpu']}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, precision {policy.precision}")
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    prompts = [tokens(args.prompt + 13 * i) for i in range(args.rows)]  # rows of unequal length, as in an eval
+
+    def turn(prompts, label, profiled=False):
+        requests = [GenerationRequest(i, p) for i, p in enumerate(prompts)]
+        if profiled:
+            encode, encode_groups, first = profile_call(backend, requests, SamplingParams(max_new_tokens=1))
+        else:
+            started = time.perf_counter()
+            first = backend.generate(requests, SamplingParams(max_new_tokens=1))
+            encode, encode_groups = time.perf_counter() - started, None
+        requests = [GenerationRequest(i, p + r.token_ids) for i, (p, r) in enumerate(zip(prompts, first))]
+        steps = args.generate - 1
+        if profiled:
+            decode, decode_groups, rest = profile_call(backend, requests, SamplingParams(max_new_tokens=steps))
+        else:
+            started = time.perf_counter()
+            rest = backend.generate(requests, SamplingParams(max_new_tokens=steps))
+            decode, decode_groups = time.perf_counter() - started, None
+        context = sum(len(p) for p in prompts) / len(prompts)
+        print(f"{label}: context {context:,.0f} tokens per row: encode {encode:.1f} s, decode {decode / steps * 1000:.0f} "
+              f"ms per step ({args.rows * steps / decode:.1f} tokens/s)", flush=True)
+        following = [p + a.token_ids + b.token_ids + tokens(args.observation) for p, a, b in zip(prompts, first, rest)]
+        return following, encode_groups, decode_groups, steps
+
+    for t in range(args.turns):
+        prompts, *_ = turn(prompts, f"turn {t}")
+    prompts, encode_groups, decode_groups, steps = turn(prompts, f"turn {args.turns} (profiled)", profiled=True)
+    print(f"\nprofiled turn, seconds by operator group (cache row gathers so far: {backend.stats.row_selections}):")
+    print("| group | encode (s) | decode (ms per step) |")
+    print("|---|---|---|")
+    for group in ("attention", "linear layers", "output layer (vocabulary)", "cache row gather", "rest"):
+        print(f"| {group} | {encode_groups.get(group, 0.0):.2f} | {decode_groups.get(group, 0.0) / steps * 1000:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
