@@ -344,3 +344,25 @@ def test_seeds_from_different_environments_are_flagged(tmp_path):
     assert "not made in one environment" in text and '- precision: "bf16" (s0, s1); "fp32" (s2)' in text
     unrecorded = compare_runs(seeds([env, None]), resamples=50)["environment_differences"]
     assert unrecorded["precision"] == {'"bf16"': ["s0"], "not recorded": ["s1"]}
+
+
+def test_a_run_continued_in_another_environment_is_flagged(tmp_path):
+    rng = np.random.default_rng(1)
+    env = {"cpu": {"model": "AMD EPYC", "features": ["avx2", "avx512_bf16"], "cores": 2}, "precision": "bf16",
+           "versions": {"torch": "2.13.0+cpu"}}
+    run = _seed_run(tmp_path, "r", {"bc/eval_test": _outcomes(0.3, 6, rng), "iter_1/eval_test": _outcomes(0.4, 6, rng)},
+                    environment=env)
+    manifest = json.loads((run / "manifest.json").read_text())
+    result = compare_runs([run], resamples=50)
+    assert result["resumed_elsewhere"] == {} and "continued in another environment" not in render_markdown(result)
+    # a resume with the same numbers-relevant fields (another qevolve version only) is not flagged
+    same = {**env, "versions": {"torch": "2.13.0+cpu", "qevolve": "9"}}
+    moved = {**env, "cpu": {**env["cpu"], "features": ["avx2"]}, "precision": "fp32"}
+    manifest["environment_changes"] = [{"after_stage": "bc/eval_test", "environment": same},
+                                       {"after_stage": "bc/eval_test", "environment": moved}]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    result = compare_runs([run], resamples=50)
+    assert result["resumed_elsewhere"] == {"r": [{"after_stage": "bc/eval_test",
+                                                  "fields": ["cpu.features", "precision"]}]}
+    assert ("Note: `r` was continued in another environment: after stage bc/eval_test (cpu.features, precision "
+            "differ)") in render_markdown(result)

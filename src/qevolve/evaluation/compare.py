@@ -48,7 +48,7 @@ from qevolve.evaluation.stats import (IQM_MIN_SEEDS, draw_seeds, improvement_pro
                                       percentile_interval, seed_mean, two_level_means)
 
 __all__ = ["paired_bootstrap", "load_run", "load_run_evaluations", "export_outcomes", "RunResults",
-           "environment_differences", "compare_runs", "seed_summary", "check_one_protocol",
+           "environment_differences", "resumed_elsewhere", "compare_runs", "seed_summary", "check_one_protocol",
            "render_markdown", "method_name", "results_stem", "policy_env_steps", "online_budgets",
            "evaluated_methods", "budget_round"]
 
@@ -317,7 +317,8 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
                     diag[f"{stage['name']}:{key}"] = stage["metrics"][key]
         diagnostics[run.name] = diag
     result = {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r.path) for r in runs],
-              "rows": rows, "diagnostics": diagnostics}
+              "rows": rows, "diagnostics": diagnostics,
+              "resumed_elsewhere": {run.name: resumed_elsewhere(run) for run in runs if resumed_elsewhere(run)}}
     if len(runs) > 1:  # seeds of one protocol: the summary over seeds (a single run's output is unchanged)
         check_one_protocol(runs, baseline)
         result.update(seed_summary(runs, order, baseline, resamples, seed))
@@ -344,14 +345,33 @@ def environment_differences(runs: list[RunResults]) -> dict[str, dict[str, list[
     for field in ENVIRONMENT_FIELDS:
         values: dict[str, list[str]] = {}
         for run in runs:
-            node: Any = run.manifest.get("environment")
-            for part in field.split("."):
-                node = node.get(part) if isinstance(node, dict) else None
-            text = "not recorded" if node is None else json.dumps(node, sort_keys=True)
-            values.setdefault(text, []).append(run.name)
+            values.setdefault(_environment_value(run.manifest.get("environment"), field), []).append(run.name)
         if len(values) > 1:
             differences[field] = values
     return differences
+
+
+def _environment_value(environment: Any, field: str) -> str:
+    """The recorded value of ``field`` (dotted) as JSON text, or "not recorded"."""
+    node = environment
+    for part in field.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return "not recorded" if node is None else json.dumps(node, sort_keys=True)
+
+
+def resumed_elsewhere(run: RunResults) -> list[dict[str, Any]]:
+    """Where ``run`` was continued in another environment: one entry per change its manifest records
+    (``environment_changes``: a resume on another machine, or with other versions), with the stage it
+    came after and the fields of :data:`ENVIRONMENT_FIELDS` that differ from the run's first environment.
+    The stages after it computed something else than the run's start did."""
+    first = run.manifest.get("environment")
+    entries = []
+    for change in run.manifest.get("environment_changes", []):
+        fields = [f for f in ENVIRONMENT_FIELDS
+                  if _environment_value(first, f) != _environment_value(change.get("environment"), f)]
+        if fields:
+            entries.append({"after_stage": change.get("after_stage"), "fields": fields})
+    return entries
 
 
 def check_one_protocol(runs: list[RunResults], baseline: str = "bc") -> None:
@@ -519,6 +539,10 @@ def render_markdown(result: dict[str, Any]) -> str:
                   "the numbers), so seeds and machines are confounded:"]
         lines += [f"- {field}: " + "; ".join(f"{value} ({', '.join(names)})" for value, names in values.items())
                   for field, values in result["environment_differences"].items()]
+    for run, entries in result.get("resumed_elsewhere", {}).items():
+        lines += ["", f"Note: `{run}` was continued in another environment: "
+                  + "; ".join(f"after stage {e['after_stage']} ({', '.join(e['fields'])} differ)" for e in entries)
+                  + ". Its later stages computed something else than its first ones."]
     for run, diag in result["diagnostics"].items():
         if diag:
             lines += ["", f"Diagnostics of `{run}` (from its manifest):", "", "| stage:metric | value |", "|---|---|"]
