@@ -115,12 +115,25 @@ def main() -> None:
         print(f"{label}: context {context:,.0f} tokens per row: encode {encode:.1f} s, decode {decode / steps * 1000:.0f} "
               f"ms per step ({args.rows * steps / decode:.1f} tokens/s)", flush=True)
         following = [p + a.token_ids + b.token_ids + tokens(args.observation) for p, a, b in zip(prompts, first, rest)]
-        return following, encode_groups, decode_groups, steps
+        return following, encode_groups, decode_groups, steps, context
 
     for t in range(args.turns):
         prompts, *_ = turn(prompts, f"turn {t}")
-    prompts, encode_groups, decode_groups, steps = turn(prompts, f"turn {args.turns} (profiled)", profiled=True)
+    prompts, encode_groups, decode_groups, steps, context = turn(prompts, f"turn {args.turns} (profiled)", profiled=True)
     print(f"\nprofiled turn, seconds by operator group (cache row gathers so far: {backend.stats.row_selections}):")
+    config = policy.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes = (args.rows * config.num_key_value_heads * context * head_dim * 2 * config.num_hidden_layers
+                * next(policy.model.parameters()).element_size())
+    attention_seconds = decode_groups.get("attention", 0.0) / steps
+    block = torch.ones(256 * 1024 * 1024)  # 1 GiB of fp32: what a plain reduction reads per second here
+    block.sum()
+    started = time.perf_counter()
+    for _ in range(5):
+        block.sum()
+    read_rate = 5 * block.numel() * 4 / (time.perf_counter() - started) / 1e9
+    print(f"decode attention reads {kv_bytes / 1e9:.2f} GB of keys and values per step: "
+          f"{kv_bytes / attention_seconds / 1e9:.1f} GB/s; torch.sum over 1 GiB reads {read_rate:.1f} GB/s")
     print("| group | encode (s) | decode (ms per step) |")
     print("|---|---|---|")
     for group in ("attention", "linear layers", "output layer (vocabulary)", "cache row gather", "rest"):
