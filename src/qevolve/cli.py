@@ -480,8 +480,9 @@ def compare(runs: list[Path] = typer.Argument(..., help="run directories (runs/N
 def export(runs: list[Path] = typer.Argument(..., help="run directories (runs/NAME)"),
            output: Path = typer.Option(..., help="folder for one outcomes file per run, OUTPUT/NAME.json")) -> None:
     """Write each run's outcomes file: its manifest and every evaluated episode's outcome (won, final score,
-    failed), a file of tens of kilobytes that `qevolve compare` reads in place of the run directory. Commit it
-    beside a result: the comparison can then be made again without the run's checkpoints or its machine."""
+    failed), a small JSON file (its size is printed) that `qevolve compare` reads in place of the run
+    directory. Commit it beside a result: the comparison can then be made again without the run's
+    checkpoints or its machine."""
     from qevolve.atomic_io import write_json_atomic
     from qevolve.evaluation.compare import export_outcomes
 

@@ -153,7 +153,7 @@ def _evaluations(run: str, manifest: dict[str, Any], outcomes_of: Any) -> list[E
 
 def export_outcomes(run_dir: Path) -> dict[str, Any]:
     """A run's manifest and the per-episode outcome (won, final score, failed) of each of its evaluation
-    stages: everything ``qevolve compare`` reads, in a file of tens of kilobytes that outlives the run
+    stages: everything ``qevolve compare`` reads, in a small JSON file that outlives the run
     directory (its checkpoints and trajectories) and the machine it ran on."""
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.is_file():
