@@ -285,6 +285,12 @@ def test_baselines_and_variants_from_the_same_buffer(experts_path, tiny_model_di
     rows = {row["method"]: row for row in compare_runs([root], resamples=200)["rows"]}
     assert len(rows) == len(table) and all(row["episodes"] == 1 for row in rows.values())
     assert all("success_diff_ci" in row for method, row in rows.items() if method != "SFT (BC)")
+    # a real run's outcomes file compares like its run directory
+    from qevolve.atomic_io import write_json_atomic
+    from qevolve.evaluation.compare import export_outcomes
+
+    exported = write_json_atomic(tmp_path / "baselines.json", export_outcomes(root))
+    assert compare_runs([exported], resamples=200)["rows"] == compare_runs([root], resamples=200)["rows"]
     labelled = read_episodes(root / "iter_1/q_minus_v/label/labelled.parquet")
     main = read_episodes(root / "iter_1/label/labelled.parquet")
     assert [t.advantage for ep in labelled for t in ep.turns] != [t.advantage for ep in main for t in ep.turns]
