@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--observation", type=int, default=290, help="new observation tokens per turn")
     parser.add_argument("--generate", type=int, default=40, help="generated tokens per turn")
     parser.add_argument("--force-gather", action="store_true", help="gather the cache's rows at every call")
+    parser.add_argument("--batch-dependence", action="store_true",
+                        help="also check whether a row's logits depend on which rows share its batch")
     args = parser.parse_args()
 
     from qevolve.machine import run_environment
@@ -138,6 +140,31 @@ def main() -> None:
     print("|---|---|---|")
     for group in ("attention", "linear layers", "output layer (vocabulary)", "cache row gather", "rest"):
         print(f"| {group} | {encode_groups.get(group, 0.0):.2f} | {decode_groups.get(group, 0.0) / steps * 1000:.0f} |")
+    if args.batch_dependence:
+        batch_dependence(policy.model, args.rows, args.prompt, gen)
+
+
+def batch_dependence(model, rows: int, length: int, gen: torch.Generator) -> None:
+    """Encode ``rows`` prompts and decode one token as one batch, then the same for subsets of the rows: are a
+    row's logits the same bits? Where they are not, computing only the rows still generating (instead of the
+    whole batch until its longest row stops) could change greedy turns."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(1, model.config.vocab_size, (rows, length), generator=gen)
+
+    def last_logits(subset: list[int]) -> torch.Tensor:
+        cache = DynamicCache()
+        with torch.inference_mode():
+            first = model(input_ids=ids[subset], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = first.logits[:, -1].argmax(-1, keepdim=True)
+            return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    full = last_logits(list(range(rows)))
+    for subset in ([0, 3, 7, 11, 20], [5], list(range(rows // 2))):
+        subset = [i for i in subset if i < rows]
+        part = last_logits(subset)
+        print(f"{len(subset)} of {rows} rows as their own batch: logits bitwise equal: {torch.equal(part, full[subset])}, "
+              f"largest difference {(part - full[subset]).abs().max().item():.1e}")
 
 
 if __name__ == "__main__":
