@@ -462,6 +462,7 @@ def test_seed_replicates_run_one_resumable_run_per_seed(experts_path, tiny_model
     digests = [next(st["digests"] for st in m["stages"] if st["name"] == "bc") for m in manifests]
     assert digests[0] != digests[1]  # another seed: another BC policy
     assert "== seed 1 (2 of 2)" in out and f"qevolve compare {runs / 'rep-s0'} {runs / 'rep-s1'}" in out
+    assert f"qevolve export {runs / 'rep-s0'} {runs / 'rep-s1'} --output results/" in out
     # one more seed with --resume: the finished ones are kept as they are, only the new one runs
     before = (runs / "rep-s0" / "manifest.json").read_text()
     out = run("--seeds", "0,1,2", "--resume")

@@ -1005,6 +1005,8 @@ def evolve(
         folders = " ".join(str(Path(c.runs_dir) / c.name) for c in replicates)
         typer.echo(f"\nevery seed's run is done; compare them: qevolve compare {folders} --output "
                    f"{Path(replicates[0].runs_dir) / replicates[0].name.rsplit('-s', 1)[0]}-seeds")
+        typer.echo(f"to keep what the comparison reads after the runs or this machine are gone: qevolve export "
+                   f"{folders} --output results/")
 
 
 def follow_node_zero(cfg: Any, node_rank: int, seeds: Optional[str], resume: bool, redo: Optional[str],
