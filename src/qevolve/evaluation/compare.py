@@ -123,14 +123,20 @@ def load_run_evaluations(run_dir: Path) -> tuple[list[Evaluation], dict[str, Any
     manifest = _read_json(manifest_path)
 
     def outcomes_of(stage: dict[str, Any]) -> tuple[dict[str, tuple[float, float]], int]:
-        # outputs are recorded relative to the run directory (qevolve.evolve.run_dir)
-        folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
-        if not (folder.is_dir() and shard_paths(folder)):
-            raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
-                             f"{folder} hold no shards (moved or deleted? `qevolve evolve --redo {stage['name']}`)")
-        return _outcomes(folder)
+        return _outcomes(_trajectories(run_dir, stage))
 
     return _evaluations(run_dir.name, manifest, outcomes_of), manifest
+
+
+def _trajectories(run_dir: Path, stage: dict[str, Any]) -> Path:
+    """The trajectory folder of a run's evaluation stage, which must hold shards."""
+    # outputs are recorded relative to the run directory (qevolve.evolve.run_dir)
+    folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
+    if not (folder.is_dir() and shard_paths(folder)):
+        raise ValueError(f"{run_dir / 'manifest.json'}: stage {stage['name']!r} is recorded as done but its "
+                         f"trajectories {folder} hold no shards (moved or deleted? `qevolve evolve --redo "
+                         f"{stage['name']}`)")
+    return folder
 
 
 def _evaluations(run: str, manifest: dict[str, Any], outcomes_of: Any) -> list[Evaluation]:
@@ -162,13 +168,9 @@ def export_outcomes(run_dir: Path) -> dict[str, Any]:
     outcomes: dict[str, list[list[Any]]] = {}
     for stage in manifest.get("stages", []):
         if stage["name"].rpartition("/")[2].startswith("eval_"):
-            folder = run_dir / stage.get("outputs", {}).get("trajectories", f"{stage['name']}/trajectories")
-            if not (folder.is_dir() and shard_paths(folder)):
-                raise ValueError(f"{manifest_path}: stage {stage['name']!r} is recorded as done but its trajectories "
-                                 f"{folder} hold no shards")
             # a list in the shards' order (the bootstrap draws index into it), not a JSON object
             outcomes[stage["name"]] = [[ep.episode_id, bool(ep.won), float(ep.score), bool(ep.failed)]
-                                       for ep in read_episodes(folder)]
+                                       for ep in read_episodes(_trajectories(run_dir, stage))]
     if not outcomes:
         raise ValueError(f"{run_dir}: no evaluation stages (<prefix>/eval_<split>) in its manifest")
     return {"format": OUTCOMES_FORMAT, "run": run_dir.name, "manifest": manifest, "outcomes": outcomes}
