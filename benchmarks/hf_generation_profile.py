@@ -34,17 +34,22 @@ if SRC.is_dir() and str(SRC) not in sys.path:
 def operator_group(name: str, shapes: list) -> str:
     if "scaled_dot_product" in name or "flash_attention" in name:
         return "attention"
-    if name == "aten::mm":
-        return "output layer (vocabulary)" if shapes and len(shapes) > 1 and shapes[1][-1:] and \
-            shapes[1][-1] > 10_000 else "linear layers"
+    if name == "aten::mm":  # the output layer multiplies by a [hidden, vocabulary] matrix
+        vocabulary = len(shapes) > 1 and len(shapes[1]) == 2 and shapes[1][1] > 10_000
+        return "output layer (vocabulary)" if vocabulary else "linear layers"
     if name == "aten::index_select" and shapes and len(shapes[0]) == 4:
         return "cache row gather"
     return "rest"
 
 
-def profile_call(backend, requests, params) -> tuple[float, dict[str, float], list]:
+def timed_call(backend, requests, params, profiled: bool) -> tuple[float, dict[str, float] | None, list]:
+    """``backend.generate``: its wall time, its time per operator group when ``profiled``, its results."""
     from torch.profiler import ProfilerActivity, profile
 
+    if not profiled:
+        started = time.perf_counter()
+        results = backend.generate(requests, params)
+        return time.perf_counter() - started, None, results
     started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         results = backend.generate(requests, params)
@@ -99,20 +104,11 @@ def main() -> None:
 
     def turn(prompts, label, profiled=False):
         requests = [GenerationRequest(i, p) for i, p in enumerate(prompts)]
-        if profiled:
-            encode, encode_groups, first = profile_call(backend, requests, SamplingParams(max_new_tokens=1))
-        else:
-            started = time.perf_counter()
-            first = backend.generate(requests, SamplingParams(max_new_tokens=1))
-            encode, encode_groups = time.perf_counter() - started, None
+        encode, encode_groups, first = timed_call(backend, requests, SamplingParams(max_new_tokens=1), profiled)
+        # the same turn's decoding: each row's cache ends one token short of its prompt and first token
         requests = [GenerationRequest(i, p + r.token_ids) for i, (p, r) in enumerate(zip(prompts, first))]
         steps = args.generate - 1
-        if profiled:
-            decode, decode_groups, rest = profile_call(backend, requests, SamplingParams(max_new_tokens=steps))
-        else:
-            started = time.perf_counter()
-            rest = backend.generate(requests, SamplingParams(max_new_tokens=steps))
-            decode, decode_groups = time.perf_counter() - started, None
+        decode, decode_groups, rest = timed_call(backend, requests, SamplingParams(max_new_tokens=steps), profiled)
         context = sum(len(p) for p in prompts) / len(prompts)
         print(f"{label}: context {context:,.0f} tokens per row: encode {encode:.1f} s, decode {decode / steps * 1000:.0f} "
               f"ms per step ({args.rows * steps / decode:.1f} tokens/s)", flush=True)

@@ -124,6 +124,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def value_at(tree: Any, dotted: str) -> Any:
+    """The value at a dotted path of a JSON tree (a config or a run's manifest), or "<missing>"."""
+    for part in dotted.split("."):
+        tree = tree.get(part, "<missing>") if isinstance(tree, dict) else "<missing>"
+    return tree
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
     """Apply ``a.b=value`` strings to a nested dict (in place) and return it."""
     for item in overrides or []:

@@ -39,11 +39,12 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from qevolve.buffer.store import read_episodes, shard_paths
+from qevolve.config import value_at
 from qevolve.evaluation.stats import (IQM_MIN_SEEDS, draw_seeds, improvement_probability, interquartile_mean,
                                       percentile_interval, seed_mean, two_level_means)
 
@@ -139,7 +140,9 @@ def _trajectories(run_dir: Path, stage: dict[str, Any]) -> Path:
     return folder
 
 
-def _evaluations(run: str, manifest: dict[str, Any], outcomes_of: Any) -> list[Evaluation]:
+def _evaluations(run: str, manifest: dict[str, Any],
+                 outcomes_of: Callable[[dict[str, Any]], tuple[dict[str, tuple[float, float]], int]]
+                 ) -> list[Evaluation]:
     """One :class:`Evaluation` per method of each ``<prefix>/eval_<split>`` stage of ``manifest``, with the
     outcomes ``outcomes_of(stage)`` gives."""
     stages = manifest.get("stages", [])
@@ -318,9 +321,10 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
                 if kind == suffix and key in stage.get("metrics", {}):
                     diag[f"{stage['name']}:{key}"] = stage["metrics"][key]
         diagnostics[run.name] = diag
+    moved = {run.name: resumed_elsewhere(run) for run in runs}
     result = {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r.path) for r in runs],
               "rows": rows, "diagnostics": diagnostics,
-              "resumed_elsewhere": {run.name: resumed_elsewhere(run) for run in runs if resumed_elsewhere(run)}}
+              "resumed_elsewhere": {name: entries for name, entries in moved.items() if entries}}
     if len(runs) > 1:  # seeds of one protocol: the summary over seeds (a single run's output is unchanged)
         check_one_protocol(runs, baseline)
         result.update(seed_summary(runs, order, baseline, resamples, seed))
@@ -355,10 +359,8 @@ def environment_differences(runs: list[RunResults]) -> dict[str, dict[str, list[
 
 def _environment_value(environment: Any, field: str) -> str:
     """The recorded value of ``field`` (dotted) as JSON text, or "not recorded"."""
-    node = environment
-    for part in field.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return "not recorded" if node is None else json.dumps(node, sort_keys=True)
+    value = value_at(environment, field)
+    return "not recorded" if value is None or value == "<missing>" else json.dumps(value, sort_keys=True)
 
 
 def resumed_elsewhere(run: RunResults) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from qevolve.config import strip_derived
-from qevolve.evolve.digests import differing_fields, first_episode_difference, short_repr, value_at
+from qevolve.config import value_at
+from qevolve.evolve.digests import differing_fields, first_episode_difference, short_repr
 from qevolve.evolve.loop import EvolveConfig
 from qevolve.evolve.run_dir import LOCATION_FIELDS, MANIFEST, RunDirectory
 

@@ -112,12 +112,6 @@ def differing_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "<root>"]
 
 
-def value_at(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree.get(part, "<missing>") if isinstance(tree, dict) else "<missing>"
-    return tree
-
-
 def short_repr(value: Any, width: int = 48) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= width else text[: width - 3] + "..."
