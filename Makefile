@@ -6,10 +6,10 @@ setup:
 
 # The main job: SFT, one Q-Evolve iteration and the RFT baseline on the WebShop quickstart protocol with
 # the embedded model (configs/cpu/webshop-quick.yaml), then the comparison table with paired-bootstrap CIs.
-# `--vllm` installs the vLLM backend only where it is the faster one (a GPU or a CPU with native bf16).
+# `--vllm` installs the vLLM backend where a wheel exists (a GPU, or a Linux x86-64 CPU with AVX2 or AVX-512).
 # Every step is idempotent or resumable: running it again continues where it stopped.
-# QUICKSTART_ARGS adds key=value overrides, e.g. the settings `auto` picks on a CPU without native bf16:
-#   make quickstart QUICKSTART_ARGS="model.precision=fp32 rollout.agent.backend=hf eval.agent.backend=hf"
+# QUICKSTART_ARGS adds key=value overrides, e.g. transformers generation instead of vLLM:
+#   make quickstart QUICKSTART_ARGS="rollout.agent.backend=hf eval.agent.backend=hf"
 quickstart:
 	bash scripts/setup.sh --vllm
 	.venv/bin/qevolve model install

