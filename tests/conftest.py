@@ -33,6 +33,25 @@ def ensure_installed(name: str) -> None:
 
 
 @pytest.fixture(scope="session")
+def benchmark_module():
+    """Import a script of benchmarks/ by name (``benchmark_module("attention_kernels")``), as the script sees
+    its own folder, without leaving that folder on ``sys.path``."""
+    import importlib
+    import sys
+
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+    def load(name: str):
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def alfworld_installed():
     """The real ALFWorld games, installed from ../shared/data into the data directory once."""
     ensure_installed("alfworld")

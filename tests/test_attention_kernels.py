@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_every_candidate_gets_a_row_with_its_ratio_and_difference():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import attention_kernels as bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def test_every_candidate_gets_a_row_with_its_ratio_and_difference(benchmark_module):
+    bench = benchmark_module("attention_kernels")
     names = [n for n in bench.ALL if n != "compiled eager"]  # one compiled candidate is enough (seconds each)
     rows = bench.measure([48, 80], names, repeats=1, chunk=32, block=32)
     assert [r["candidate"] for r in rows] == (["fp32 reference", *names]) * 2

@@ -3,23 +3,11 @@ the log-prob gap over the turns both generated alike (no backend is run here).""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from qevolve.buffer.store import Episode, Turn, write_episodes
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import eval_backends
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return eval_backends
 
 
 def _episode(episode_id: str, turns: list[tuple[list[int], list[float]]]) -> Episode:
@@ -33,8 +21,8 @@ def _write(folder: Path, episodes: list[Episode]) -> Path:
     return folder
 
 
-def test_compare_counts_identical_turns_and_stops_an_episode_at_its_first_difference(tmp_path):
-    bench = _bench()
+def test_compare_counts_identical_turns_and_stops_an_episode_at_its_first_difference(tmp_path, benchmark_module):
+    bench = benchmark_module("eval_backends")
     first = _write(tmp_path / "hf", [
         _episode("e1", [([1, 2], [-0.5, -0.25]), ([3], [-1.0])]),
         _episode("e2", [([4], [-0.1]), ([5, 6], [-0.2, -0.3]), ([7], [-0.4])]),
@@ -51,8 +39,8 @@ def test_compare_counts_identical_turns_and_stops_an_episode_at_its_first_differ
     assert result["max_logprob_difference"] == pytest.approx(0.05)
 
 
-def test_compare_refuses_evaluations_of_different_episodes(tmp_path):
-    bench = _bench()
+def test_compare_refuses_evaluations_of_different_episodes(tmp_path, benchmark_module):
+    bench = benchmark_module("eval_backends")
     first = _write(tmp_path / "hf", [_episode("e1", [([1], [-0.5])])])
     second = _write(tmp_path / "vllm", [_episode("e2", [([1], [-0.5])])])
     with pytest.raises(SystemExit, match="different episodes"):
