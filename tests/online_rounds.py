@@ -1,13 +1,31 @@
-"""Checks the online baselines' tests share (GRPO and PPO): over its rounds on the one-decision
-environment the recipe learned the rewarded action, and its row counts the env steps of its rounds."""
+"""What the online baselines' tests share (GRPO and PPO): a run of the tiny loop in this process, its
+manifest's stages, and the check that over its rounds on the one-decision environment the recipe learned
+the rewarded action and its row counts the env steps of its rounds."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from qevolve.buffer.store import read_episodes
+from qevolve.config import load_config
+from qevolve.evolve.loop import EvolveConfig, run_evolve
+
+
+def run_in_process(overrides: list[str], root: Path, name: str = "run") -> tuple[Path, list[dict[str, Any]], list[str]]:
+    """``qevolve evolve`` with these overrides under ``root``: the run folder, the printed table's rows and the
+    log lines."""
+    config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={root}", f"name={name}"])
+    messages: list[str] = []
+    table = run_evolve(config, log=messages.append)
+    return root / name, table, messages
+
+
+def stages_of(run: Path) -> dict[str, dict[str, Any]]:
+    """The run's manifest stages by name, in the order they ran."""
+    return {stage["name"]: stage for stage in json.loads((run / "manifest.json").read_text())["stages"]}
 
 
 def assert_rounds_learned_and_counted(run: Path, stages: dict[str, Any], table: list[dict[str, Any]],

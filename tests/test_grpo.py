@@ -7,12 +7,11 @@ env-step budget, and a run killed inside a round that resumes to the same weight
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from online_rounds import assert_rounds_learned_and_counted
+from online_rounds import assert_rounds_learned_and_counted, run_in_process, stages_of
 
 from qevolve.buffer.store import read_episodes
 from qevolve.config import ConfigError, load_config
@@ -36,15 +35,7 @@ def overrides(choice_run_overrides):
 
 @pytest.fixture(scope="module")
 def uninterrupted(overrides, tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo-runs")
-    config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={root}", "name=run"])
-    messages: list[str] = []
-    table = run_evolve(config, log=messages.append)
-    return root / "run", table, messages
-
-
-def stages_of(run: Path) -> dict[str, dict]:
-    return {s["name"]: s for s in json.loads((run / "manifest.json").read_text())["stages"]}
+    return run_in_process(overrides, tmp_path_factory.mktemp("grpo-runs"))
 
 
 def test_grpo_rounds_learn_the_rewarded_action_and_the_row_counts_their_env_steps(uninterrupted):
@@ -212,11 +203,8 @@ def test_budgets_on_the_way_evaluate_the_round_that_reaches_each_and_name_its_ro
     ref = stages_of(reference)
     steps = [ref[f"iter_1/grpo/round_{r}/rollouts"]["metrics"]["env_steps"] for r in (1, 2, 3)]
     budgets = [steps[0], steps[0] + 1]  # reached by round 1, then by round 2
-    config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={tmp_path}", "name=run", "grpo.rounds=3",
-                                              f"grpo.evaluate_at_env_steps=[{budgets[0]},{budgets[1]}]"])
-    messages: list[str] = []
-    table = run_evolve(config, log=messages.append)
-    run = tmp_path / "run"
+    run, table, messages = run_in_process(
+        [*overrides, "grpo.rounds=3", f"grpo.evaluate_at_env_steps=[{budgets[0]},{budgets[1]}]"], tmp_path)
     ours = stages_of(run)
 
     def round_stages(r: int) -> list[str]:

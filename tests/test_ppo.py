@@ -10,21 +10,20 @@ env steps, and a run killed inside round 2's update that resumes to the same wei
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from online_rounds import assert_rounds_learned_and_counted
+from online_rounds import assert_rounds_learned_and_counted, run_in_process, stages_of
 
 from qevolve.buffer.store import read_episodes
 from qevolve.config import ConfigError, load_config
 from qevolve.critic.testing import save_tiny_llama, synthetic_buffer
 from qevolve.critic.value import (ValueConfig, ValueHead, ValueLearner, lambda_returns, load_value_head, train_value,
                                   value_loss)
-from qevolve.evolve.loop import EvolveConfig, PPOSettings, run_evolve
+from qevolve.evolve.loop import EvolveConfig, PPOSettings
 from qevolve.process_rewards.advantages import TrajectoryValues, gae_env
 from qevolve.process_rewards.label import LabelConfig, label_with_values
 
@@ -278,15 +277,7 @@ def overrides(choice_run_overrides):
 
 @pytest.fixture(scope="module")
 def uninterrupted(overrides, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ppo-runs")
-    config = load_config(EvolveConfig, None, [*overrides, f"runs_dir={root}", "name=run"])
-    messages: list[str] = []
-    table = run_evolve(config, log=messages.append)
-    return root / "run", table, messages
-
-
-def stages_of(run: Path) -> dict[str, dict]:
-    return {s["name"]: s for s in json.loads((run / "manifest.json").read_text())["stages"]}
+    return run_in_process(overrides, tmp_path_factory.mktemp("ppo-runs"))
 
 
 def test_ppo_rounds_learn_the_rewarded_action_and_the_row_counts_their_env_steps(uninterrupted):
