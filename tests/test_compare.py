@@ -45,7 +45,8 @@ def _fake_run(root, name, outcomes_by_stage):
         write_shard(run / stage / "trajectories", 0, episodes)
         stages.append({"name": stage, "outputs": {"trajectories": f"{stage}/trajectories"},  # run-relative
                        "metrics": {"success_rate": sum(w for w, _ in outcomes.values()) / len(outcomes)}})
-    stages.append({"name": "iter_1/critic", "outputs": {}, "metrics": {"explained_variance": 0.25}})
+    # v_success: the name of v_scored (mean V where the final score is > 0) in runs made before its rename
+    stages.append({"name": "iter_1/critic", "outputs": {}, "metrics": {"explained_variance": 0.25, "v_success": 0.5}})
     (run / "manifest.json").write_text(json.dumps({"stages": stages}))
     return run
 
@@ -65,7 +66,7 @@ def test_compare_pairs_by_episode_and_pools_runs(tmp_path):
     assert rows[("Q-Evolve iter 1", "seed1")]["success_diff"] == 0.0
     pooled = rows[("Q-Evolve iter 1", "all runs")]
     assert pooled["paired_episodes"] == 12 and pooled["success_diff"] == pytest.approx(2 / 12)
-    assert result["diagnostics"]["seed0"] == {"iter_1/critic:explained_variance": 0.25}
+    assert result["diagnostics"]["seed0"] == {"iter_1/critic:explained_variance": 0.25, "iter_1/critic:v_scored": 0.5}
     text = render_markdown(result)
     assert "| seen | Q-Evolve iter 1 | seed0 | 6 | 0.667 |" in text and "explained_variance" in text
 

@@ -16,7 +16,7 @@ from qevolve.critic.testing import synthetic_buffer, tiny_critic_config
 from qevolve.critic.train import (CRITIC_FILE, METRICS_FILE, STATE_FILE, critic_samples, explained_variance,
                                   heldout_indices, load_critic, predict_values, roc_auc, train_critic)
 
-HELDOUT = ("heldout_loss_v", "heldout_loss_q", "heldout_v_success", "heldout_v_failure", "heldout_v_mean",
+HELDOUT = ("heldout_loss_v", "heldout_loss_q", "heldout_v_scored", "heldout_v_unscored", "heldout_v_mean",
            "heldout_explained_variance", "heldout_auc_won_vs_lost")
 
 
@@ -116,7 +116,7 @@ def test_heldout_trajectories_are_not_trained_on_and_their_fit_is_measured(tiny_
     last = summary["history"][-1]
     assert set(HELDOUT) <= set(last) and all(summary[key] == last[key] for key in HELDOUT)
     assert last["explained_variance"] > 0.3 and last["heldout_explained_variance"] < -0.5, last
-    assert last["heldout_v_success"] > last["heldout_v_failure"]  # V still follows the markers
+    assert last["heldout_v_scored"] > last["heldout_v_unscored"]  # V still follows the markers
     assert last["heldout_auc_won_vs_lost"] == 1.0
 
     # the row's held-out numbers are those of the saved critic on exactly the held-out trajectories

@@ -85,7 +85,7 @@ def test_build_samples_positions_rewards_and_success():
     assert ids[int(segment.q_positions[-1])] == episode.turns[-1].action_ids[-1]
     assert segment.q_positions[-1] == len(ids) - 1
     assert sample.aux_rewards.tolist() == pytest.approx([0.0, -0.2, 0.0])
-    assert sample.env_rewards.tolist() == [0.0, 0.0, 1.0] and sample.success
+    assert sample.env_rewards.tolist() == [0.0, 0.0, 1.0] and sample.scored
     assert sample.dones.tolist() == [False, False, True]
 
 
@@ -102,7 +102,7 @@ def test_success_flag_d_comes_from_the_final_score():
         turn.reward = reward
     truncated.score = 0.5
     first, second = _samples([failed, truncated])
-    assert not first.success and second.success
+    assert not first.scored and second.scored
     torch.testing.assert_close(first.weights, transition_weights(3, False, WeightingConfig()))
     torch.testing.assert_close(second.weights, transition_weights(3, True, WeightingConfig()))
 
@@ -144,7 +144,7 @@ def test_iql_losses_match_plain_loop():
         i = 0
         for s in samples:
             T = s.num_turns
-            d = 1.0 if s.success else 0.0
+            d = 1.0 if s.scored else 0.0
             for t in range(T):
                 w = 0.5 * (t / T + d) + 0.5
                 x = float(target_q[i]) - float(values[i])

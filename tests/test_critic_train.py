@@ -28,17 +28,18 @@ def test_frozen_critic_ranks_success_above_failure_on_held_out(tiny_critic_init,
     assert summary["finished"] and len(summary["history"]) == 40
     history = summary["history"]
     assert history[-1]["loss_q"] < history[0]["loss_q"]
-    assert history[-1]["v_success"] > history[-1]["v_failure"]
+    assert history[-1]["v_scored"] > history[-1]["v_unscored"]  # by final score > 0 (synthetic: = won)
 
     critic = load_critic(tmp_path / "run")
     predictions = predict_values(critic, critic_samples(held_out, config), progress=False)
-    v_success = [v.mean() for (v, _), ep in zip(predictions, held_out) if ep.won]
-    v_failure = [v.mean() for (v, _), ep in zip(predictions, held_out) if not ep.won]
-    assert min(v_success) > max(v_failure), (v_success, v_failure)
+    v_won = [v.mean() for (v, _), ep in zip(predictions, held_out) if ep.won]
+    v_lost = [v.mean() for (v, _), ep in zip(predictions, held_out) if not ep.won]
+    assert min(v_won) > max(v_lost), (v_won, v_lost)
 
     rows = [json.loads(line) for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
     assert [r["epoch"] for r in rows] == list(range(1, 41))
-    assert {"loss_v", "loss_q", "v_success", "v_failure", "explained_variance"} <= set(rows[0])
+    assert {"loss_v", "loss_q", "v_scored", "v_unscored", "explained_variance"} <= set(rows[0])
+    assert not {"v_success", "v_failure"} & set(rows[0])  # the former names, which read as won/lost
     assert rows[-1]["explained_variance"] > rows[0]["explained_variance"]
 
 
@@ -46,8 +47,17 @@ def test_resumed_training_equals_uninterrupted(tiny_critic_init, tmp_path):
     episodes = synthetic_buffer(12, seed=5)
     config = tiny_critic_config(tiny_critic_init, tmp_path, epochs=3)
     full = train_critic(episodes, config, tmp_path / "a", progress=False)
-    partial = train_critic(episodes, config, tmp_path / "b", progress=False, stop_after_steps=3)
+    # stopped in the second epoch: its state holds the first epoch's history line and the open epoch
+    partial = train_critic(episodes, config, tmp_path / "b", progress=False,
+                           stop_after_steps=full["history"][0]["steps"] + 1)
     assert not partial["finished"] and (tmp_path / "b" / STATE_FILE).is_file()
+    # a state as versions before the v_scored rename wrote it: it resumes under today's names
+    state = torch.load(tmp_path / "b" / STATE_FILE, weights_only=False)
+    renames = {"v_scored": "v_success", "v_unscored": "v_failure"}
+    assert state["history"] and "scored" in state["accumulator"]
+    state["history"] = [{renames.get(k, k): v for k, v in line.items()} for line in state["history"]]
+    state["accumulator"]["success"] = state["accumulator"].pop("scored")
+    torch.save(state, tmp_path / "b" / STATE_FILE)
     assert not (tmp_path / "b" / CRITIC_FILE).exists()
     resumed = train_critic(episodes, config, tmp_path / "b", progress=False)
     assert resumed["global_step"] == full["global_step"]
@@ -57,6 +67,7 @@ def test_resumed_training_equals_uninterrupted(tiny_critic_init, tmp_path):
         for name, tensor in a[key].items():
             torch.testing.assert_close(b[key][name], tensor, rtol=0, atol=0)
     assert [r["loss_q"] for r in a["history"]] == pytest.approx([r["loss_q"] for r in b["history"]])
+    assert [r["v_scored"] for r in a["history"]] == pytest.approx([r["v_scored"] for r in b["history"]])
 
     changed = tiny_critic_config(tiny_critic_init, tmp_path, epochs=3, lr=1e-3)
     train_critic(episodes, config, tmp_path / "c", progress=False, stop_after_steps=1)

@@ -533,7 +533,7 @@ def critic_command(
     typer.echo(f"critic: {len(episodes)} episodes from {buffer}, backbone {cfg.backbone} ({init_path_of(cfg)}) "
                f"-> {output}")
     summary = train_critic(episodes, cfg, output, restart=restart, progress=progress, log=typer.echo)
-    columns = ["epoch", "loss_v", "loss_q", "v_success", "v_failure", "explained_variance", "seconds"]
+    columns = ["epoch", "loss_v", "loss_q", "v_scored", "v_unscored", "explained_variance", "seconds"]
     if cfg.heldout_fraction > 0:  # the held-out fit beside the in-sample one
         columns[-1:-1] = ["heldout_explained_variance", "heldout_auc_won_vs_lost"]
     print_table(summary["history"], columns)

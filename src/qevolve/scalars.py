@@ -27,6 +27,17 @@ Series = dict[str, list[tuple[int, float]]]  # tag -> [(step, value)] sorted by 
 # Keys of a critic history line that are its coordinates or a wall time, not a curve.
 _CRITIC_NON_CURVES = frozenset({"epoch", "steps", "seconds"})
 
+# Critic metrics under their former names: mean V on the trajectories whose final score is > 0 (the
+# weighting's d) and = 0 were called v_success/v_failure, although on WebShop a wrong purchase scores
+# > 0; "success" now means Episode.won everywhere. Older runs' files are read under the new names.
+CRITIC_METRIC_RENAMES = {"v_success": "v_scored", "v_failure": "v_unscored",
+                         "heldout_v_success": "heldout_v_scored", "heldout_v_failure": "heldout_v_unscored"}
+
+
+def critic_metrics_renamed(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A critic metrics line (or a stage's critic metrics) with former names replaced by today's."""
+    return {CRITIC_METRIC_RENAMES.get(key, key): value for key, value in metrics.items()}
+
 
 class ScalarLog:
     """Appends one line per logged step to ``path``.
@@ -91,7 +102,7 @@ def read_scalars(path: str | Path) -> Series:
 def read_critic_history(path: str | Path) -> Series:
     """The critic's per-epoch history (``metrics.jsonl``) as curves ``critic/<key>`` over the epoch."""
     return _series([(line["epoch"], f"critic/{key}", value) for line in _lines(Path(path), "epoch")
-                    for key, value in line.items() if key not in _CRITIC_NON_CURVES])
+                    for key, value in critic_metrics_renamed(line).items() if key not in _CRITIC_NON_CURVES])
 
 
 def read_critic_kfold(path: str | Path) -> Series:

@@ -56,7 +56,7 @@ class CriticSample:
     dones: torch.Tensor  # [T] bool
     weights: torch.Tensor  # [T] float: w_t
     mc_returns: torch.Tensor  # [T] float: discounted sum of r_env + r_aux from t to the end (no bootstrap)
-    success: bool  # d: the episode's final score is non-zero (Episode.ended_with_reward)
+    scored: bool  # d: the episode's final score is non-zero (Episode.ended_with_reward); not Episode.won
     won: bool = False  # Episode.won: the outcome the held-out split is stratified by (not part of the loss)
 
     @property
@@ -142,7 +142,7 @@ def build_samples(episodes: list[Episode], retrospective: RetrospectiveConfig, w
             dones=torch.tensor([turn.done for turn in episode.turns], dtype=torch.bool),
             weights=transition_weights(episode.num_turns, success, weighting),
             mc_returns=monte_carlo_returns(env_rewards + aux, gamma),
-            success=success,
+            scored=success,
             won=bool(episode.won),
         ))
     return samples

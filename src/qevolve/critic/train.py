@@ -5,8 +5,8 @@ Output folder of a run:
 - ``train_state.pt``  the resumable training state (written atomically every
   ``checkpoint_every_steps`` steps and at the end of every epoch); a rerun with the same config
   and buffer continues from it, mid-epoch included
-- ``metrics.jsonl``   one line per epoch: both losses, mean V on successful and failed
-  trajectories, explained variance of V against Monte-Carlo returns of r_env + r_aux; with
+- ``metrics.jsonl``   one line per epoch: both losses, mean V on the trajectories whose final score is
+  > 0 and = 0 (``v_scored``, ``v_unscored``: the weighting's d, not whether the episode was won), explained variance of V against Monte-Carlo returns of r_env + r_aux; with
   ``heldout_fraction`` > 0 also the same measured on the held-out trajectories (``heldout_*``)
 - ``critic.pt``       the trained critic (config, heads, target heads, the V average, trained backbone weights)
 - ``kfold.json``      with ``diagnostics.folds`` >= 2 and a frozen backbone: the k-fold held-out fit
@@ -44,6 +44,7 @@ from qevolve.critic.retrospective import RetrospectiveConfig
 from qevolve.distributed import DistContext, init_distributed, main_first
 from qevolve.finite import NonFiniteError, check_finite, check_finite_parameters
 from qevolve.progress import progress_bar, quiet_third_party, use_bars
+from qevolve.scalars import critic_metrics_renamed
 from qevolve.seeding import derive_seed
 
 __all__ = ["train_critic", "load_critic", "predict_values", "critic_samples", "explained_variance", "init_path_of",
@@ -149,13 +150,13 @@ def _epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
 
 
 def _new_accumulator() -> dict[str, Any]:
-    return {"loss_v": 0.0, "loss_q": 0.0, "batches": 0, "values": [], "returns": [], "success": [], "seconds": 0.0}
+    return {"loss_v": 0.0, "loss_q": 0.0, "batches": 0, "values": [], "returns": [], "scored": [], "seconds": 0.0}
 
 
 def _epoch_metrics(epoch: int, acc: dict[str, Any], global_step: int) -> dict[str, Any]:
     values = np.concatenate(acc["values"]) if acc["values"] else np.zeros(0)
     returns = np.concatenate(acc["returns"]) if acc["returns"] else np.zeros(0)
-    success = np.concatenate(acc["success"]) if acc["success"] else np.zeros(0, dtype=bool)
+    scored = np.concatenate(acc["scored"]) if acc["scored"] else np.zeros(0, dtype=bool)
     batches = max(acc["batches"], 1)
     return {
         "epoch": epoch + 1,
@@ -163,15 +164,15 @@ def _epoch_metrics(epoch: int, acc: dict[str, Any], global_step: int) -> dict[st
         "loss_v": acc["loss_v"] / batches,
         "loss_q": acc["loss_q"] / batches,
         # V as the heads saw it during the epoch's own steps (no extra pass)
-        "v_success": float(values[success].mean()) if success.any() else float("nan"),
-        "v_failure": float(values[~success].mean()) if (~success).any() else float("nan"),
+        "v_scored": float(values[scored].mean()) if scored.any() else float("nan"),
+        "v_unscored": float(values[~scored].mean()) if (~scored).any() else float("nan"),
         "v_mean": float(values.mean()) if values.size else float("nan"),
         "explained_variance": explained_variance(values, returns) if values.size else float("nan"),
         "seconds": acc["seconds"],
     }
 
 
-HELDOUT_KEYS = ("heldout_loss_v", "heldout_loss_q", "heldout_v_success", "heldout_v_failure", "heldout_v_mean",
+HELDOUT_KEYS = ("heldout_loss_v", "heldout_loss_q", "heldout_v_scored", "heldout_v_unscored", "heldout_v_mean",
                 "heldout_explained_variance", "heldout_auc_won_vs_lost")
 
 
@@ -198,7 +199,7 @@ def _heldout_metrics(critic: Critic, samples: list[CriticSample], features: Feat
     losses = iql_losses(values, q_values, target_q, samples, iql.expectile, iql.gamma, iql.truncated_bootstrap)
     values_np = values.double().cpu().numpy()
     returns = torch.cat([s.mc_returns for s in samples]).double().numpy()
-    success = np.concatenate([np.full(s.num_turns, s.success) for s in samples])
+    scored = np.concatenate([np.full(s.num_turns, s.scored) for s in samples])
     starts = np.cumsum([0] + [s.num_turns for s in samples[:-1]])
     first = values_np[starts]  # V(s_0) of each trajectory
     won = np.array([s.won for s in samples])
@@ -206,8 +207,8 @@ def _heldout_metrics(critic: Critic, samples: list[CriticSample], features: Feat
         # means over the held-out transitions (the in-sample losses average the epoch's batch means)
         "heldout_loss_v": float(losses["loss_v"]),
         "heldout_loss_q": float(losses["loss_q"]),
-        "heldout_v_success": float(values_np[success].mean()) if success.any() else float("nan"),
-        "heldout_v_failure": float(values_np[~success].mean()) if (~success).any() else float("nan"),
+        "heldout_v_scored": float(values_np[scored].mean()) if scored.any() else float("nan"),
+        "heldout_v_unscored": float(values_np[~scored].mean()) if (~scored).any() else float("nan"),
         "heldout_v_mean": float(values_np.mean()),
         "heldout_explained_variance": explained_variance(values_np, returns),
         "heldout_auc_won_vs_lost": roc_auc(first[won], first[~won]),
@@ -517,7 +518,11 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         epoch, batch_done, global_step = state["epoch"], state["batch"], state["global_step"]
-        history, acc = state["history"], state["accumulator"]
+        # a state saved before the v_scored rename: its history and open epoch under today's names
+        history = [critic_metrics_renamed(line) for line in state["history"]]
+        acc = state["accumulator"]
+        if "success" in acc:
+            acc["scored"] = acc.pop("success")
         log(f"resuming at epoch {epoch + 1}, batch {batch_done}, step {global_step}")
 
     def save_state() -> None:
@@ -597,12 +602,12 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
                                            share * float(losses["loss_q"].detach())])
                 parts = dist.gather_objects(None if share == 0 else (
                     values.detach().cpu().numpy(), torch.cat([s.mc_returns for s in batch]).numpy(),
-                    np.concatenate([np.full(s.num_turns, s.success) for s in batch])))
+                    np.concatenate([np.full(s.num_turns, s.scored) for s in batch])))
                 parts = [p for p in parts if p is not None]
                 acc["loss_v"] += loss_v
                 acc["loss_q"] += loss_q
                 acc["batches"] += 1
-                for key, column in (("values", 0), ("returns", 1), ("success", 2)):
+                for key, column in (("values", 0), ("returns", 1), ("scored", 2)):
                     acc[key].append(np.concatenate([p[column] for p in parts]))
             else:
                 acc["loss_v"] += float(losses["loss_v"].detach())
@@ -610,7 +615,7 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
                 acc["batches"] += 1
                 acc["values"].append(values.detach().cpu().numpy())
                 acc["returns"].append(torch.cat([s.mc_returns for s in batch]).numpy())
-                acc["success"].append(np.concatenate([np.full(s.num_turns, s.success) for s in batch]))
+                acc["scored"].append(np.concatenate([np.full(s.num_turns, s.scored) for s in batch]))
             acc["seconds"] += time.perf_counter() - started
             batch_done += 1
             global_step += 1
@@ -630,8 +635,8 @@ def train_critic(episodes: list[Episode], config: CriticConfig, output_dir: str 
         history.append(metrics)
         if dist.is_main:
             _write_metrics(output, history)
-        log("epoch {epoch}: loss_v {loss_v:.4f} loss_q {loss_q:.4f} V(success) {v_success:.3f} "
-            "V(failure) {v_failure:.3f} explained variance {explained_variance:.3f}".format(**metrics)
+        log("epoch {epoch}: loss_v {loss_v:.4f} loss_q {loss_q:.4f} V(score > 0) {v_scored:.3f} "
+            "V(score 0) {v_unscored:.3f} explained variance {explained_variance:.3f}".format(**metrics)
             + (" (held-out {heldout_explained_variance:.3f})".format(**metrics) if held else ""))
         epoch, batch_done, acc = epoch + 1, 0, _new_accumulator()
         save_state()

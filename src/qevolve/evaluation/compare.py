@@ -47,6 +47,7 @@ from qevolve.buffer.store import read_episodes, shard_paths
 from qevolve.config import value_at
 from qevolve.evaluation.stats import (IQM_MIN_SEEDS, draw_seeds, improvement_probability, interquartile_mean,
                                       percentile_interval, seed_mean, two_level_means)
+from qevolve.scalars import critic_metrics_renamed
 
 __all__ = ["paired_bootstrap", "load_run", "load_run_evaluations", "export_outcomes", "RunResults",
            "environment_differences", "resumed_elsewhere", "compare_runs", "seed_summary", "check_one_protocol",
@@ -56,7 +57,7 @@ __all__ = ["paired_bootstrap", "load_run", "load_run_evaluations", "export_outco
 # What the diagnosis of a run reads from its manifest: (stage suffix, metric) pairs, where present.
 # (The label stage's *_won/*_lost split by Episode.won since 2026-12-07; before, by a final score > 0.)
 DIAGNOSTICS = [
-    ("critic", "explained_variance"), ("critic", "v_success"), ("critic", "v_failure"),
+    ("critic", "explained_variance"), ("critic", "v_scored"), ("critic", "v_unscored"),
     ("critic", "insample_explained_variance"), ("critic", "kfold_explained_variance"),
     ("critic", "insample_auc_won_vs_lost"), ("critic", "kfold_auc_won_vs_lost"), ("critic", "converged"),
     ("label", "advantage_mean_won"), ("label", "advantage_mean_lost"), ("label", "v_mean_won"),
@@ -317,9 +318,12 @@ def compare_runs(run_dirs: list[Path], baseline: str = "bc", resamples: int = 10
         diag: dict[str, Any] = {}
         for stage in run.manifest.get("stages", []):
             kind = stage["name"].rpartition("/")[2]
+            metrics = stage.get("metrics", {})
+            if kind == "critic":  # a run made before the v_scored rename: its critic metrics under today's names
+                metrics = critic_metrics_renamed(metrics)
             for suffix, key in DIAGNOSTICS:
-                if kind == suffix and key in stage.get("metrics", {}):
-                    diag[f"{stage['name']}:{key}"] = stage["metrics"][key]
+                if kind == suffix and key in metrics:
+                    diag[f"{stage['name']}:{key}"] = metrics[key]
         diagnostics[run.name] = diag
     moved = {run.name: resumed_elsewhere(run) for run in runs}
     result = {"baseline": baseline, "resamples": resamples, "seed": seed, "runs": [str(r.path) for r in runs],

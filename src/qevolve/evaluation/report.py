@@ -58,7 +58,7 @@ TRAINING_PANELS: list[tuple[str, list[str]]] = [
     ("log-ratio to the reference", ["policy/chosen_logratio", "policy/rejected_logratio"]),
     ("critic V loss (expectile)", ["critic/loss_v"]),
     ("critic Q loss (TD)", ["critic/loss_q"]),
-    ("V by final score (> 0: success, 0: failure)", ["critic/v_success", "critic/v_failure", "critic/v_mean"]),
+    ("V by final score (> 0, = 0; not won/lost)", ["critic/v_scored", "critic/v_unscored", "critic/v_mean"]),
     ("explained variance of V", ["critic/explained_variance", "critic/heldout_explained_variance",
                                  "critic/kfold_explained_variance"]),
     ("AUC of V(s_0), won vs lost (held out)", ["critic/kfold_auc_won_vs_lost"]),

@@ -291,7 +291,7 @@ def label_episodes(episodes: list[Episode], critic, config: LabelConfig,
     # Two ways to split the episodes: won/lost is the environment's success (Episode.won: on WebShop a
     # reward of 1); scored/unscored is the critic's d (the final score is > 0: a WebShop purchase of the
     # wrong size scores, and is lost).
-    outcomes = {"won": np.array([s.won for s in samples]), "scored": np.array([s.success for s in samples])}
+    outcomes = {"won": np.array([s.won for s in samples]), "scored": np.array([s.scored for s in samples])}
     names = {"won": ("won", "lost"), "scored": ("scored", "unscored")}
 
     def turn_mean(arrays: list[np.ndarray], mask: np.ndarray) -> float:
