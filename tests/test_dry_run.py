@@ -96,3 +96,87 @@ def test_the_cli_reports_an_invalid_stage_config_in_one_line_with_exit_2(nothing
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: stage iter_1/policy: epochs: "), errors
     assert list(nothing_loaded.iterdir()) == []
+
+
+def _recorded_run(root: Path, config: EvolveConfig, stages: list[str]) -> Path:
+    """A run folder as `qevolve evolve` leaves it after completing ``stages`` (the manifest only)."""
+    import json
+
+    from qevolve.evolve.loop import environment_of, recorded_config
+    from qevolve.evolve.run_dir import RunDirectory
+
+    run = root / config.name
+    with RunDirectory(run, recorded_config(config), config.seed, environment=environment_of(config)):
+        pass
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stages"] = [{"name": name, "inputs": {}, "outputs": {}, "metrics": {}} for name in stages]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+def _folder_state(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_a_dry_run_of_a_resume_marks_the_recorded_stages_and_checks_the_config_read_only(nothing_loaded):
+    from qevolve.evolve.run_dir import RunDirectory, RunError
+
+    quick = CONFIGS / "cpu" / "webshop-quick.yaml"
+    config = load_config(EvolveConfig, quick, [f"runs_dir={nothing_loaded}", "baselines=[]"])
+    recorded = ["bc", "bc/probe", "bc/eval_test", "iter_1/rollouts", "iter_1/buffer"]
+    run = _recorded_run(nothing_loaded, config, recorded)
+    before = _folder_state(run)
+
+    planned = dry_run_evolve(config, log=lambda line: None, resume=True)
+    assert [s.name for s in planned if s.done] == recorded
+    assert [s.name for s in planned if not s.done][:2] == ["iter_1/critic", "iter_1/label"]
+    # --redo forgets the named stage and every later one
+    planned = dry_run_evolve(config, log=lambda line: None, redo="bc/eval_test")
+    assert [s.name for s in planned if s.done] == ["bc", "bc/probe"]
+    # a config that adds a baseline extends the run; the line says so, and its stages are still to run
+    lines: list[str] = []
+    extended = load_config(EvolveConfig, quick, [f"runs_dir={nothing_loaded}", "baselines=[rft]"])
+    planned = dry_run_evolve(extended, log=lines.append, resume=True)
+    assert "  (the config extends the run: baselines + rft)" in lines
+    assert {s.name: s.done for s in planned}["iter_1/rft/policy"] is False
+    # the run holds its lock meanwhile (a run in progress): the preview takes none, so it still answers
+    with RunDirectory(run, {}, 0, resume=True, extend=lambda recorded, new: (new, [])):
+        assert len([s for s in dry_run_evolve(config, log=lambda line: None, resume=True) if s.done]) == len(recorded)
+    # what the run itself would refuse, the dry run refuses alike, in one line
+    changed = load_config(EvolveConfig, quick, [f"runs_dir={nothing_loaded}", "baselines=[]", "policy.optim.lr=3e-5"])
+    with pytest.raises(RunError, match=r"started with policy\.optim\.lr=1e-05, this config has policy\.optim\.lr=3e-05"):
+        dry_run_evolve(changed, log=lambda line: None, resume=True)
+    with pytest.raises(RunError, match="already holds a run; pass --resume"):
+        dry_run_evolve(config, log=lambda line: None)
+    with pytest.raises(RunError, match="--redo iter_1/critic: .* records no such stage"):
+        dry_run_evolve(config, log=lambda line: None, redo="iter_1/critic")
+    assert _folder_state(run) == before  # nothing written, no lock file left behind by the previews
+
+    # a run that started in another environment: the dry run warns, as the resume would
+    import json
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    field = sorted(manifest["environment"])[0]
+    manifest["environment"][field] = "another machine's"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    lines = []
+    dry_run_evolve(config, log=lines.append, resume=True)
+    assert any(line.startswith("  WARNING: the run started in another environment") and field in line for line in lines)
+
+
+def test_the_cli_counts_what_a_resume_would_skip_and_run(nothing_loaded):
+    quick = CONFIGS / "cpu" / "webshop-quick.yaml"
+    config = load_config(EvolveConfig, quick, [f"runs_dir={nothing_loaded}"])
+    _recorded_run(nothing_loaded, config, ["bc", "bc/probe"])
+    result = CliRunner().invoke(app, ["evolve", "--config", str(quick), "--dry-run", "--resume",
+                                      f"runs_dir={nothing_loaded}"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "  bc  (training: 1 process)  done earlier" in lines and "  bc/eval_test" in lines
+    total = len([line for line in lines if line.startswith("  ") and not line.startswith("  (")])
+    assert lines[-1].startswith(f"{total} stages, 2 done earlier and {total - 2} to run")
+    # a fresh folder: every stage runs
+    result = CliRunner().invoke(app, ["evolve", "--config", str(quick), "--dry-run", "--resume",
+                                      f"runs_dir={nothing_loaded / 'elsewhere'}"])
+    assert result.exit_code == 0 and "  (no run there yet: every stage runs)" in result.output.splitlines()
+    assert not (nothing_loaded / "elsewhere").exists()

@@ -959,7 +959,8 @@ def evolve(
                                         "seed, one after another, in RUNS_DIR/NAME-sSEED (sets the config's seeds)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list the stages the run would run, each stage's config "
                                  "built and validated, without loading a model, starting an environment or "
-                                 "writing the run folder"),
+                                 "writing the run folder; with --resume or --redo, those the run already "
+                                 "records are marked 'done earlier' (checked read-only, also beside a running run)"),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="this machine's node in a run over several "
                                   "nodes (distributed.nnodes): 0 runs the loop; 1 to nnodes-1 only join its "
                                   "training stages (start them with the same config and overrides)"),
@@ -986,8 +987,10 @@ def evolve(
     if dry_run:
         for cfg in replicates:
             typer.echo(f"dry run of {cfg.runs_dir}/{cfg.name}: the stages it would run, in order")
-            planned = dry_run_evolve(cfg, log=typer.echo)
-            typer.echo(f"{len(planned)} stages (an online baseline's rounds listed once), each stage's config "
+            planned = dry_run_evolve(cfg, log=typer.echo, resume=resume, redo=redo)  # a RunError: one line, exit 1
+            left = "" if not (resume or redo) else \
+                f", {sum(s.done for s in planned)} done earlier and {sum(not s.done for s in planned)} to run"
+            typer.echo(f"{len(planned)} stages{left} (an online baseline's rounds listed once), each stage's config "
                        "valid; no model loaded, no environment started, nothing written")
         return
     for number, cfg in enumerate(replicates, 1):

@@ -37,7 +37,7 @@ from qevolve.evaluation.compare import online_budgets, success_table
 from qevolve.evolve import stage_worker
 from qevolve.evolve.nodes import LaunchAnnouncer
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
-from qevolve.evolve.run_dir import RunDirectory, StageRecord, gpu_memory_now, reset_peak_gpu
+from qevolve.evolve.run_dir import RunDirectory, StageRecord, gpu_memory_now, preview_resume, reset_peak_gpu
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
 from qevolve.evolve.stages import (
     StageContext, bc_data_config, evaluation_settings, grpo_round_tasks, probe_store, record_evaluation, rft_config,
@@ -265,10 +265,12 @@ def seed_replicates(config: EvolveConfig) -> list[EvolveConfig]:
 
 @dataclass(frozen=True)
 class PlannedStage:
-    """A stage a dry run walked: its name and, for a training stage, the processes it would run as."""
+    """A stage a dry run walked: its name, for a training stage the processes it would run as, and, in a
+    dry run of a resume, whether the run already records it (then it would be skipped)."""
 
     name: str
     processes: int | None   # None: not a training stage (it runs in the evolve process)
+    done: bool = False
 
 
 class _PlannedOutputs(dict):
@@ -291,18 +293,46 @@ def _one_line(error: ValueError) -> str:
     return " ".join(str(error).split())
 
 
-def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print) -> list[PlannedStage]:
+def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print, resume: bool = False,
+                   redo: str | None = None) -> list[PlannedStage]:
     """Walk the run's recipe (:func:`qevolve.evolve.recipes.qevolve`, its baselines and variants) without
     running a stage: each stage builds and validates its stage config (the builder the stage itself
     calls, :func:`qevolve.evolve.stages.builds`) and nothing else; no model is loaded, no environment
     started, nothing written. Returns the stages a fresh run would run, in order. An online baseline
     lists its first round (its rounds repeat until the budget). A stage config that does not validate
-    is a ``ValueError`` naming the stage and the field. ``log`` gets a line per stage as it is walked."""
+    is a ``ValueError`` naming the stage and the field. ``log`` gets a line per stage as it is walked.
+
+    It also makes, read-only, the checks the run folder gets when the run opens it with the same
+    ``resume`` and ``redo`` (:func:`qevolve.evolve.run_dir.preview_resume`; no lock taken, so it may run
+    beside the run): a folder that already holds a run without ``resume``, or a config the run cannot
+    continue, is the same :class:`RunError`; on a resume each stage the run already records is marked
+    ``done`` (its line ends in "done earlier")."""
     if config.seeds:
         raise ValueError("dry_run_evolve walks one seed: give each of seed_replicates(config) to it")
     processes = config.distributed.processes()
     root = Path(config.runs_dir).expanduser() / config.name
     planned: list[PlannedStage] = []
+    def environment_here() -> dict[str, Any] | None:
+        try:
+            return environment_of(config)
+        except ValueError:  # e.g. a GPU config walked on a machine without one: nothing to compare with
+            return None
+
+    # the run folder's checks, read-only: a fresh run into a folder that holds one is refused, as the run would be
+    preview = preview_resume(root, recorded_config(config), resume=resume, redo=redo, upgrade=upgrade_recorded,
+                             extend=extension_of, environment=environment_here)
+    done = set(preview.done)
+    if resume or redo is not None:
+        if preview.note:
+            log(f"  ({preview.note})")
+        for line in preview.extensions:
+            log(f"  (the config extends the run: {line})")
+        if preview.free_changes:
+            log("  (settings that would change on resume, leaving results as they are or changing only their low "
+                "bits: " + ", ".join(preview.free_changes) + ")")
+        if preview.environment_changed:
+            log(f"  WARNING: the run started in another environment ({', '.join(preview.environment_changed)} "
+                "differ): later stages may not compute what an uninterrupted run would")
 
     def plan_stage(name: str, stage: Callable[..., Any], inputs: dict[str, str],
                    options: dict[str, Any]) -> StageRecord:
@@ -316,12 +346,14 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print) -> 
             except ValueError as err:  # pydantic's ValidationError among them
                 raise ValueError(f"stage {name}: {_one_line(err)}") from None
         resumable = getattr(stage, "resumable", False)
-        planned.append(PlannedStage(name, stage_processes(stage, config, options, processes) if resumable else None))
+        planned.append(PlannedStage(name, stage_processes(stage, config, options, processes) if resumable else None,
+                                    done=name in done))
         count = planned[-1].processes
         spans_nodes = config.distributed.nnodes > 1 and resumable and stage_processes(stage, config, options, 2) > 1
         nodes = f"{config.distributed.nnodes} nodes x " if spans_nodes else ""
         log(f"  {name}" + ("" if count is None else
-                           f"  (training: {nodes}{count} process{'es' if count > 1 else ''})"))
+                           f"  (training: {nodes}{count} process{'es' if count > 1 else ''})")
+            + ("  done earlier" if name in done else ""))
         return StageRecord(name, dict(inputs), _PlannedOutputs(name), {})
 
     run = Run(config, root, log, plan_stage, probe_experts=probe_store(config) if config.probe.states else None,
@@ -341,7 +373,7 @@ def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], 
     from qevolve.rollouts import vllm_backend
 
     if dry_run:
-        return {"stages": dry_run_evolve(config, log)}
+        return {"stages": dry_run_evolve(config, log, resume=resume, redo=redo)}
 
     # One thread count for the whole run: CPU reductions (hence weights) depend on it. Set before any
     # engine starts and asserted again at every stage (vLLM's CPU worker replaces torch.set_num_threads

@@ -187,6 +187,101 @@ class StageRecord:
 StageFn = Callable[[Path], tuple[dict[str, str], dict[str, Any]]]
 
 
+
+def resumable_config(manifest_path: Path, manifest: dict[str, Any], config: dict[str, Any],
+                     upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None,
+                     extend: Callable[[dict[str, Any], dict[str, Any]], tuple[dict[str, Any], list[str]]] | None,
+                     ) -> tuple[dict[str, Any], list[str]]:
+    """Whether ``config`` may continue the run ``manifest`` records (see :class:`RunDirectory`): the recorded
+    config as today's schema reads it, with ``extend``'s additions adopted, and a line per addition. A field
+    that differs otherwise (outside :data:`RESUME_FREE_FIELDS` and the location) is a :class:`RunError`
+    naming it. Reads nothing and writes nothing."""
+    recorded = manifest["config"]
+    if upgrade is not None:
+        try:
+            recorded = upgrade(recorded)
+        except Exception:  # e.g. a field removed since: the comparison below names it
+            recorded = manifest["config"]
+    changes: list[str] = []
+    if extend is not None:
+        recorded, changes = extend(recorded, config)
+    old = _without({k: v for k, v in recorded.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS)
+    new = _without({k: v for k, v in config.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS)
+    field = first_difference(old, new)
+    if field is not None:
+        def at(tree: Any) -> Any:
+            for part in field.split("."):
+                tree = tree.get(part, "<missing>") if isinstance(tree, dict) else "<missing>"
+            return tree
+        raise RunError(f"{manifest_path}: the run was started with {field}={_short(at(old))}, "
+                       f"this config has {field}={_short(at(new))}; resume with the same config "
+                       "or start a new run")
+    return recorded, changes
+
+
+def free_field_changes(manifest: dict[str, Any], recorded: dict[str, Any],
+                       config: dict[str, Any]) -> dict[str, list[Any]]:
+    """The fields of :data:`RESUME_FREE_FIELDS` that ``config`` sets otherwise than the run's last
+    invocation: ``{field: [before, now]}``."""
+    before = {field: _get(recorded, field) for field in RESUME_FREE_FIELDS}
+    for entry in manifest.get("resume_changes", []):
+        before.update({field: change[1] for field, change in entry["changes"].items()})
+    return {field: [before[field], _get(config, field)] for field in RESUME_FREE_FIELDS
+            if before[field] != _get(config, field)}
+
+
+def kept_before_redo(manifest_path: Path, manifest: dict[str, Any], name: str) -> list[str]:
+    """``--redo NAME``: the recorded stages that stay (those before NAME); a :class:`RunError` when the
+    manifest records no stage NAME."""
+    names = [stage["name"] for stage in manifest["stages"]]
+    if name not in names:
+        raise RunError(f"--redo {name}: {manifest_path} records no such stage; recorded: {', '.join(names) or 'none'}")
+    return names[:names.index(name)]
+
+
+@dataclass(frozen=True)
+class ResumePreview:
+    """What ``--resume`` (or ``--redo``) would find in a run folder, read without touching it
+    (:func:`preview_resume`): the stages it keeps, and the changes it would record."""
+
+    done: tuple[str, ...]                # recorded stages that would be skipped
+    extensions: tuple[str, ...] = ()     # stages the config adds to the run (more iterations, baselines, variants)
+    free_changes: tuple[str, ...] = ()   # RESUME_FREE_FIELDS set otherwise than last time
+    environment_changed: tuple[str, ...] = ()  # fields of the run's environment that differ from this machine's
+    note: str | None = None              # why nothing is kept (no run yet, or a run that completed no stage)
+
+
+def preview_resume(root: str | Path, config: dict[str, Any], resume: bool = False, redo: str | None = None,
+                   upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                   extend: Callable[[dict[str, Any], dict[str, Any]], tuple[dict[str, Any], list[str]]] | None = None,
+                   environment: Callable[[], dict[str, Any] | None] | None = None) -> ResumePreview:
+    """The checks :class:`RunDirectory` makes when it opens ``root`` with these arguments, made read-only: no
+    lock, no folder created, no manifest written, so it may run beside the run itself. Raises the
+    :class:`RunError` the real open would raise. ``environment`` is called only where a recorded run is
+    resumed, and may return None where this machine cannot resolve it (no comparison then)."""
+    manifest_path = Path(root) / MANIFEST
+    if not manifest_path.exists():
+        if redo is not None:
+            raise RunError(f"--redo {redo}: {root} holds no run yet")
+        return ResumePreview(done=(), note="no run there yet: every stage runs")
+    manifest = RunDirectory._read_manifest(manifest_path)
+    if not resume and redo is None:
+        if not manifest["stages"]:
+            return ResumePreview(done=(), note="its manifest records no completed stage: the run starts afresh")
+        raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue it, or "
+                       "choose another name")
+    recorded, changes = resumable_config(manifest_path, manifest, config, upgrade, extend)
+    done = kept_before_redo(manifest_path, manifest, redo) if redo is not None else \
+        [stage["name"] for stage in manifest["stages"]]
+    free = free_field_changes(manifest, recorded, config)
+    before = manifest.get("environment")
+    now = environment() if environment is not None and before is not None else None
+    moved = differing_fields(before, now) if now is not None and before != now else []
+    return ResumePreview(done=tuple(done), extensions=tuple(changes),
+                         free_changes=tuple(f"{field} {_short(old)} -> {_short(new)}" for field, (old, new) in free.items()),
+                         environment_changed=tuple(moved))
+
+
 class RunDirectory:
     """``runs/NAME`` with its manifest. ``resume=False`` refuses to touch an existing run."""
 
@@ -227,26 +322,7 @@ class RunDirectory:
                 self.restarted = True
             if manifest_path.exists() and not self.restarted:
                 self.manifest = self._read_manifest(manifest_path)
-                recorded = self.manifest["config"]
-                if upgrade is not None:
-                    try:
-                        recorded = upgrade(recorded)
-                    except Exception:  # e.g. a field removed since: the comparison below names it
-                        recorded = self.manifest["config"]
-                changes: list[str] = []
-                if extend is not None:
-                    recorded, changes = extend(recorded, config)
-                old = _without({k: v for k, v in recorded.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS)
-                new = _without({k: v for k, v in config.items() if k not in LOCATION_FIELDS}, RESUME_FREE_FIELDS)
-                field = first_difference(old, new)
-                if field is not None:
-                    def at(tree: Any) -> Any:
-                        for part in field.split("."):
-                            tree = tree.get(part, "<missing>") if isinstance(tree, dict) else "<missing>"
-                        return tree
-                    raise RunError(f"{manifest_path}: the run was started with {field}={_short(at(old))}, "
-                                   f"this config has {field}={_short(at(new))}; resume with the same config "
-                                   "or start a new run")
+                recorded, changes = resumable_config(manifest_path, self.manifest, config, upgrade, extend)
                 if changes:
                     # Recorded stages were computed by a config that agrees with this one on every
                     # field they read; the new stages are named by the added fields and run fresh.
@@ -291,11 +367,7 @@ class RunDirectory:
 
     def _record_free_changes(self, recorded: dict[str, Any], config: dict[str, Any]) -> None:
         """Record the fields of :data:`RESUME_FREE_FIELDS` that differ from the previous invocation's."""
-        before = {field: _get(recorded, field) for field in RESUME_FREE_FIELDS}
-        for entry in self.manifest.get("resume_changes", []):
-            before.update({field: change[1] for field, change in entry["changes"].items()})
-        changes = {field: [before[field], _get(config, field)] for field in RESUME_FREE_FIELDS
-                   if before[field] != _get(config, field)}
+        changes = free_field_changes(self.manifest, recorded, config)
         if changes:
             self.manifest.setdefault("resume_changes", []).append(
                 {"after_stage": (self.manifest["stages"] or [{"name": None}])[-1]["name"], "changes": changes})
@@ -348,12 +420,9 @@ class RunDirectory:
 
     def _forget_from(self, name: str) -> None:
         """``--redo NAME``: drop the record and the outputs of stage NAME and of every later stage."""
-        names = [stage["name"] for stage in self.manifest["stages"]]
-        if name not in names:
-            raise RunError(f"--redo {name}: {self.root / MANIFEST} records no such stage; recorded: "
-                           f"{', '.join(names) or 'none'}")
-        dropped = self.manifest["stages"][names.index(name):]
-        self.manifest["stages"] = self.manifest["stages"][:names.index(name)]
+        names = kept_before_redo(self.root / MANIFEST, self.manifest, name)
+        dropped = self.manifest["stages"][len(names):]
+        self.manifest["stages"] = self.manifest["stages"][:len(names)]
         self._save()  # the record goes first: a kill now leaves folders that are redone anyway
         for stage in dropped:
             shutil.rmtree(self.root / stage["name"], ignore_errors=True)
