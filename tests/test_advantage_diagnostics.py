@@ -96,7 +96,15 @@ def test_action_kind_counts_and_cli(tmp_path):
     table = action_kind_counts(_buffer())
     assert table["episodes"] == 3 and table["won"] == 1 and table["actions"] == 6
     buy = next(r for r in table["rows"] if r["action_kind"] == "click[buy now]")
-    assert buy == {"action_kind": "click[buy now]", "actions": 3, "share": 0.5, "episodes_with": 3}
+    assert buy == {"action_kind": "click[buy now]", "actions": 3, "share": 0.5, "episodes_with": 3,
+                   "invalid": 0.0, "repeated": 0.0}
+    # a policy that loops on an option the page does not offer: rejected, and the same click again
+    looping = _episode("g3", False, [("search[x]", 0.0), ("click[size 9]", 0.0), ("click[Size 9] ", 0.0),
+                                     ("click[size 9]", 0.0), ("click[red]", 0.0)])
+    for turn in looping.turns[1:]:
+        turn.action_valid = False
+    option = next(r for r in action_kind_counts([looping])["rows"] if r["action_kind"] == "click[option]")
+    assert option["actions"] == 4 and option["invalid"] == 1.0 and option["repeated"] == 0.5
     path = tmp_path / "eval.parquet"
     write_episodes(path, _buffer())
     result = CliRunner().invoke(app, ["data", "actions", str(path)])

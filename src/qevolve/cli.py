@@ -198,7 +198,8 @@ def data_actions(
         paths: list[Path] = typer.Argument(..., help="trajectory files or sharded folders (e.g. runs/NAME/*/eval_test/"
                                            "trajectories)"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
-    """How each policy acts: its actions by kind (share, and episodes that used the kind at least once)."""
+    """How each policy acts: its actions by kind (share, episodes that used the kind at least once, the share
+    the environment rejected, and the share repeating the turn before)."""
     from qevolve.buffer.store import read_episodes
     from qevolve.evaluation.diagnostics import action_kind_counts
 

@@ -192,17 +192,26 @@ def action_kind_counts(episodes: list[Episode], top: int | None = None) -> dict[
     """How a policy acts: the share of its actions of each kind, and how many episodes used each kind.
 
     ``episodes_with`` is the number of episodes with at least one action of the kind (e.g. how many
-    WebShop episodes ever clicked Buy Now)."""
+    WebShop episodes ever clicked Buy Now). ``invalid`` is the share of the kind's actions that the
+    environment rejected, ``repeated`` the share that repeat the episode's previous action word for word
+    (case and surrounding spaces aside): together they show a policy that loops on an action the page does
+    not offer."""
     counts: dict[str, int] = defaultdict(int)
+    invalid: dict[str, int] = defaultdict(int)
+    repeated: dict[str, int] = defaultdict(int)
     with_kind: dict[str, int] = defaultdict(int)
     for ep in episodes:
         kinds = [action_kind(ep.env, turn.action) for turn in ep.turns]
-        for kind in kinds:
+        said = [(turn.action or "").strip().lower() for turn in ep.turns]
+        for t, (kind, turn) in enumerate(zip(kinds, ep.turns)):
             counts[kind] += 1
+            invalid[kind] += not turn.action_valid
+            repeated[kind] += t > 0 and bool(said[t]) and said[t] == said[t - 1]
         for kind in set(kinds):
             with_kind[kind] += 1
     actions = sum(counts.values())
-    rows = [{"action_kind": kind, "actions": n, "share": n / actions, "episodes_with": with_kind[kind]}
+    rows = [{"action_kind": kind, "actions": n, "share": n / actions, "episodes_with": with_kind[kind],
+             "invalid": invalid[kind] / n, "repeated": repeated[kind] / n}
             for kind, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))][:top]
     return {"episodes": len(episodes), "won": sum(ep.won for ep in episodes), "actions": actions, "rows": rows}
 
