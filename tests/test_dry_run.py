@@ -180,3 +180,38 @@ def test_the_cli_counts_what_a_resume_would_skip_and_run(nothing_loaded):
                                       f"runs_dir={nothing_loaded / 'elsewhere'}"])
     assert result.exit_code == 0 and "  (no run there yet: every stage runs)" in result.output.splitlines()
     assert not (nothing_loaded / "elsewhere").exists()
+
+
+def test_a_dry_run_prices_the_stages_left_by_the_times_its_seed_replicates_recorded(nothing_loaded):
+    import json
+
+    quick = CONFIGS / "cpu" / "webshop-quick.yaml"
+
+    def config(name: str, *more: str) -> EvolveConfig:
+        return load_config(EvolveConfig, quick, [f"runs_dir={nothing_loaded}", f"name={name}", "baselines=[]", *more])
+
+    # seed 0 recorded its stages' times; a stage redone later counts with its last time
+    seed0 = _recorded_run(nothing_loaded, config("quick-s0"), ["bc", "bc/probe"])
+    lines = [{"stage": "bc", "seconds": 999.0}, {"stage": "bc", "seconds": 600.0}, {"stage": "bc/probe", "seconds": 60.0},
+             {"stage": "iter_1/policy", "seconds": 1200.0}]
+    (seed0 / "timings.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"stage": "bc/ev')
+    # seed 1 is new, with a variant no run has timed: its policy is priced as every iter_1/*/policy was
+    log: list[str] = []
+    planned = dry_run_evolve(config("quick-s1", "variants.floor.policy.advantage_floor=0"), log=log.append, resume=True)
+    estimates = {stage.name: stage.estimate_s for stage in planned}
+    assert estimates["bc"] == 600.0 and estimates["bc/probe"] == 60.0 and estimates["iter_1/policy"] == 1200.0
+    assert estimates["iter_1/floor/policy"] == 1200.0 and estimates["iter_1/critic"] is None
+    assert "  bc  (training: 1 process)  about 10m00s" in log
+    assert "  iter_1/floor/policy  (training: 1 process)  about 20m00s (as its kind)" in log
+    assert log[-1].startswith("  (to run: about 51m00s for 4 of the") and "quick-s0 recorded them" in log[-1]
+    # a second replicate: the median of the two; and seed 0's own resume prices only what it has left
+    seed2 = _recorded_run(nothing_loaded, config("quick-s2"), ["bc"])
+    (seed2 / "timings.jsonl").write_text(json.dumps({"stage": "bc", "seconds": 800.0}) + "\n")
+    assert {s.name: s.estimate_s for s in dry_run_evolve(config("quick-s1"), log=lambda line: None)}["bc"] == 700.0
+    done0 = {s.name: (s.done, s.estimate_s) for s in dry_run_evolve(config("quick-s0"), log=lambda line: None,
+                                                                        resume=True)}
+    assert done0["bc"] == (True, None) and done0["iter_1/policy"] == (False, 1200.0)
+    # a run of another protocol in the same folder is not read
+    other = _recorded_run(nothing_loaded, config("quicker-s0"), ["bc"])
+    (other / "timings.jsonl").write_text(json.dumps({"stage": "bc", "seconds": 5.0}) + "\n")
+    assert {s.name: s.estimate_s for s in dry_run_evolve(config("quick-s1"), log=lambda line: None)}["bc"] == 700.0

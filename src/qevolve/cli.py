@@ -961,7 +961,8 @@ def evolve(
     dry_run: bool = typer.Option(False, "--dry-run", help="list the stages the run would run, each stage's config "
                                  "built and validated, without loading a model, starting an environment or "
                                  "writing the run folder; with --resume or --redo, those the run already "
-                                 "records are marked 'done earlier' (checked read-only, also beside a running run)"),
+                                 "records are marked 'done earlier' (checked read-only, also beside a running run); stages to run "
+                                 "are priced by the times the run's seed replicates recorded"),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="this machine's node in a run over several "
                                   "nodes (distributed.nnodes): 0 runs the loop; 1 to nnodes-1 only join its "
                                   "training stages (start them with the same config and overrides)"),

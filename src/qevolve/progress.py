@@ -22,7 +22,7 @@ import time
 import warnings
 from typing import Any, Iterable, Iterator, TextIO
 
-__all__ = ["progress_bar", "StatusLine", "status_interval", "quiet_third_party", "use_bars", "STATUS_SECONDS_ENV"]
+__all__ = ["progress_bar", "StatusLine", "duration_text", "status_interval", "quiet_third_party", "use_bars", "STATUS_SECONDS_ENV"]
 
 STATUS_SECONDS_ENV = "QEVOLVE_STATUS_SECONDS"
 DEFAULT_STATUS_SECONDS = 60.0
@@ -50,7 +50,8 @@ def use_bars(enabled: bool = True, stream: TextIO | None = None) -> bool:
     return bool(enabled and isatty is not None and isatty())
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """A duration as progress lines write it: 42s, 3m05s, 2h07m."""
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds}s"
@@ -95,9 +96,9 @@ class StatusLine:
         count = f"{self.n}/{self.total}" if self.total else str(self.n)
         percent = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         figures = "".join(f" {k}={v}" for k, v in self.postfix.items())
-        timing = f"{_duration(elapsed)} elapsed"
+        timing = f"{duration_text(elapsed)} elapsed"
         if self.total and done > 0 and self.n < self.total:
-            timing += f", ETA {_duration(elapsed / done * (self.total - self.n))}"
+            timing += f", ETA {duration_text(elapsed / done * (self.total - self.n))}"
         return f"[{self.desc}] {self.unit} {count}{percent}{figures} | {timing}"
 
     def _print(self) -> None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,13 +39,15 @@ from qevolve.evaluation.compare import online_budgets, success_table
 from qevolve.evolve import stage_worker
 from qevolve.evolve.nodes import LaunchAnnouncer
 from qevolve.evolve.recipes import Run, main_critic_read, qevolve, registered_recipe
-from qevolve.evolve.run_dir import RunDirectory, StageRecord, gpu_memory_now, preview_resume, reset_peak_gpu
+from qevolve.evolve.run_dir import (TIMINGS, RunDirectory, StageRecord, gpu_memory_now, preview_resume,
+                                    recorded_stage_seconds, reset_peak_gpu)
 from qevolve.evolve.settings import DERIVED_FIELDS, EvolveSettings, GRPOSettings, PPOSettings, override
 from qevolve.evolve.stages import (
     StageContext, bc_data_config, evaluation_settings, grpo_round_tasks, probe_store, record_evaluation, rft_config,
     stage_processes,
 )
 from qevolve.machine import run_environment
+from qevolve.progress import duration_text
 from qevolve.seeding import derive_seed, seed_everything
 
 __all__ = [
@@ -271,6 +275,7 @@ class PlannedStage:
     name: str
     processes: int | None   # None: not a training stage (it runs in the evolve process)
     done: bool = False
+    estimate_s: float | None = None  # what earlier runs of this protocol took for the stage (median), if any did
 
 
 class _PlannedOutputs(dict):
@@ -306,7 +311,11 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print, res
     ``resume`` and ``redo`` (:func:`qevolve.evolve.run_dir.preview_resume`; no lock taken, so it may run
     beside the run): a folder that already holds a run without ``resume``, or a config the run cannot
     continue, is the same :class:`RunError`; on a resume each stage the run already records is marked
-    ``done`` (its line ends in "done earlier")."""
+    ``done`` (its line ends in "done earlier").
+
+    Each stage still to run gets the time earlier runs of the protocol took for it (``estimate_s``: the
+    median over this run's and its seed replicates' ``timings.jsonl``, ``RUNS_DIR/NAME-s*``), and a last
+    line sums them: how long the rest would take on the machine and load those runs had."""
     if config.seeds:
         raise ValueError("dry_run_evolve walks one seed: give each of seed_replicates(config) to it")
     processes = config.distributed.processes()
@@ -322,6 +331,19 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print, res
     preview = preview_resume(root, recorded_config(config), resume=resume, redo=redo, upgrade=upgrade_recorded,
                              extend=extension_of, environment=environment_here)
     done = set(preview.done)
+    timed_runs = _protocol_runs(root)
+    seconds = recorded_stage_seconds(timed_runs)
+    timed = {stage: statistics.median(values) for stage, values in seconds.items()}
+
+    def kind_of(stage: str) -> tuple[str, str]:  # iter_1/eps_low_02/policy -> (iter_1, policy)
+        parts = stage.split("/")
+        return parts[0], parts[-1]
+
+    # a stage no earlier run timed (a new variant's policy) takes the time of the stages of its kind that were
+    timed_kinds: dict[tuple[str, str], list[float]] = {}
+    for stage, values in seconds.items():
+        timed_kinds.setdefault(kind_of(stage), []).extend(values)
+    by_kind = {kind: statistics.median(values) for kind, values in timed_kinds.items()}
     if resume or redo is not None:
         if preview.note:
             log(f"  ({preview.note})")
@@ -346,14 +368,17 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print, res
             except ValueError as err:  # pydantic's ValidationError among them
                 raise ValueError(f"stage {name}: {_one_line(err)}") from None
         resumable = getattr(stage, "resumable", False)
+        estimate = None if name in done else timed.get(name, by_kind.get(kind_of(name)))
+        alike = estimate is not None and name not in timed
         planned.append(PlannedStage(name, stage_processes(stage, config, options, processes) if resumable else None,
-                                    done=name in done))
+                                    done=name in done, estimate_s=estimate))
         count = planned[-1].processes
         spans_nodes = config.distributed.nnodes > 1 and resumable and stage_processes(stage, config, options, 2) > 1
         nodes = f"{config.distributed.nnodes} nodes x " if spans_nodes else ""
         log(f"  {name}" + ("" if count is None else
                            f"  (training: {nodes}{count} process{'es' if count > 1 else ''})")
-            + ("  done earlier" if name in done else ""))
+            + ("  done earlier" if name in done else "")
+            + ("" if estimate is None else f"  about {duration_text(estimate)}" + (" (as its kind)" if alike else "")))
         return StageRecord(name, dict(inputs), _PlannedOutputs(name), {})
 
     run = Run(config, root, log, plan_stage, probe_experts=probe_store(config) if config.probe.states else None,
@@ -361,7 +386,22 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print, res
     if config.probe.states and run.probe_experts is None:
         log("format probe skipped: no expert store to draw its states from (set bc.data.train_path)")
     qevolve(run)
+    to_run = [stage for stage in planned if not stage.done]
+    estimated = [stage.estimate_s for stage in to_run if stage.estimate_s is not None]
+    if estimated:
+        untimed = len(to_run) - len(estimated)
+        log(f"  (to run: about {duration_text(sum(estimated))} for {len(estimated)} of the {len(to_run)} stages, as "
+            f"{', '.join(run.name for run in timed_runs)} recorded them (the median where several did; a stage "
+            "marked 'as its kind' from the recorded stages of its iteration and kind, e.g. every iter_1/*/policy)"
+            + (f"; {untimed} stage{'s' if untimed > 1 else ''} no earlier run timed" if untimed else "") + ")")
     return planned
+
+
+def _protocol_runs(root: Path) -> list[Path]:
+    """The run folder ``root`` and its seed replicates (``NAME-sSEED`` beside it) that recorded stage times."""
+    stem = re.sub(r"-s\d+$", "", root.name)
+    folders = {root, *root.parent.glob(f"{stem}-s*")} if stem != root.name else {root}
+    return sorted(f for f in folders if re.fullmatch(rf"{re.escape(stem)}(-s\d+)?", f.name) and (f / TIMINGS).is_file())
 
 
 def run_evolve(config: EvolveConfig, resume: bool = False, log: Callable[[str], None] = print,

@@ -239,6 +239,28 @@ def kept_before_redo(manifest_path: Path, manifest: dict[str, Any], name: str) -
     return names[:names.index(name)]
 
 
+
+def recorded_stage_seconds(runs: list[Path]) -> dict[str, list[float]]:
+    """Each stage's wall time as these run folders recorded it (``timings.jsonl``; a stage recorded twice, after
+    a ``--redo``, counts with its last time): ``{stage: [seconds in each run that has it]}``. A missing or
+    unreadable file adds nothing."""
+    seconds: dict[str, list[float]] = {}
+    for run in runs:
+        last: dict[str, float] = {}
+        try:
+            lines = (Path(run) / TIMINGS).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                last[str(entry["stage"])] = float(entry["seconds"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill mid-write
+        for stage, value in last.items():
+            seconds.setdefault(stage, []).append(value)
+    return seconds
+
 @dataclass(frozen=True)
 class ResumePreview:
     """What ``--resume`` (or ``--redo``) would find in a run folder, read without touching it
