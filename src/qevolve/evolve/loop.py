@@ -321,6 +321,7 @@ def dry_run_evolve(config: EvolveConfig, log: Callable[[str], None] = print, res
     processes = config.distributed.processes()
     root = Path(config.runs_dir).expanduser() / config.name
     planned: list[PlannedStage] = []
+
     def environment_here() -> dict[str, Any] | None:
         try:
             return environment_of(config)

@@ -187,6 +187,23 @@ class StageRecord:
 StageFn = Callable[[Path], tuple[dict[str, str], dict[str, Any]]]
 
 
+def existing_run(manifest_path: Path, resume: bool, redo: str | None) -> dict[str, Any] | None:
+    """The manifest that a run opened with ``resume`` and ``redo`` continues, or None where it starts afresh: no
+    run there yet, or (without ``resume``) a run that completed no stage, which holds nothing worth keeping
+    under its name. A :class:`RunError` for a folder that holds a run when ``resume`` is not given, and for
+    ``redo`` where there is no run."""
+    if not manifest_path.exists():
+        if redo is not None:
+            raise RunError(f"--redo {redo}: {manifest_path.parent} holds no run yet")
+        return None
+    manifest = RunDirectory._read_manifest(manifest_path)
+    if not resume and redo is None:
+        if manifest["stages"]:
+            raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue it, or "
+                           "choose another name")
+        return None
+    return manifest
+
 
 def resumable_config(manifest_path: Path, manifest: dict[str, Any], config: dict[str, Any],
                      upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None,
@@ -230,6 +247,11 @@ def free_field_changes(manifest: dict[str, Any], recorded: dict[str, Any],
             if before[field] != _get(config, field)}
 
 
+def _change_lines(changes: dict[str, list[Any]]) -> list[str]:
+    """``free_field_changes`` as the lines a resume logs: ``field before -> now``."""
+    return [f"{field} {_short(old)} -> {_short(new)}" for field, (old, new) in changes.items()]
+
+
 def kept_before_redo(manifest_path: Path, manifest: dict[str, Any], name: str) -> list[str]:
     """``--redo NAME``: the recorded stages that stay (those before NAME); a :class:`RunError` when the
     manifest records no stage NAME."""
@@ -237,7 +259,6 @@ def kept_before_redo(manifest_path: Path, manifest: dict[str, Any], name: str) -
     if name not in names:
         raise RunError(f"--redo {name}: {manifest_path} records no such stage; recorded: {', '.join(names) or 'none'}")
     return names[:names.index(name)]
-
 
 
 def recorded_stage_seconds(runs: list[Path]) -> dict[str, list[float]]:
@@ -261,6 +282,7 @@ def recorded_stage_seconds(runs: list[Path]) -> dict[str, list[float]]:
             seconds.setdefault(stage, []).append(value)
     return seconds
 
+
 @dataclass(frozen=True)
 class ResumePreview:
     """What ``--resume`` (or ``--redo``) would find in a run folder, read without touching it
@@ -282,16 +304,10 @@ def preview_resume(root: str | Path, config: dict[str, Any], resume: bool = Fals
     :class:`RunError` the real open would raise. ``environment`` is called only where a recorded run is
     resumed, and may return None where this machine cannot resolve it (no comparison then)."""
     manifest_path = Path(root) / MANIFEST
-    if not manifest_path.exists():
-        if redo is not None:
-            raise RunError(f"--redo {redo}: {root} holds no run yet")
-        return ResumePreview(done=(), note="no run there yet: every stage runs")
-    manifest = RunDirectory._read_manifest(manifest_path)
-    if not resume and redo is None:
-        if not manifest["stages"]:
-            return ResumePreview(done=(), note="its manifest records no completed stage: the run starts afresh")
-        raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue it, or "
-                       "choose another name")
+    manifest = existing_run(manifest_path, resume, redo)
+    if manifest is None:
+        return ResumePreview(done=(), note="its manifest records no completed stage: the run starts afresh"
+                             if manifest_path.exists() else "no run there yet: every stage runs")
     recorded, changes = resumable_config(manifest_path, manifest, config, upgrade, extend)
     done = kept_before_redo(manifest_path, manifest, redo) if redo is not None else \
         [stage["name"] for stage in manifest["stages"]]
@@ -300,7 +316,7 @@ def preview_resume(root: str | Path, config: dict[str, Any], resume: bool = Fals
     now = environment() if environment is not None and before is not None else None
     moved = differing_fields(before, now) if now is not None and before != now else []
     return ResumePreview(done=tuple(done), extensions=tuple(changes),
-                         free_changes=tuple(f"{field} {_short(old)} -> {_short(new)}" for field, (old, new) in free.items()),
+                         free_changes=tuple(_change_lines(free)),
                          environment_changed=tuple(moved))
 
 
@@ -335,15 +351,12 @@ class RunDirectory:
         self.resume_changes: list[str] = []
         self.restarted = False
         try:
-            if manifest_path.exists() and not resume and redo is None:
-                # A run that completed no stage holds nothing worth keeping under its name (its
-                # unfinished work folders are reused only if they match the new config, see run_stage).
-                if self._read_manifest(manifest_path)["stages"]:
-                    raise RunError(f"{manifest_path}: this folder already holds a run; pass --resume to continue "
-                                   "it, or choose another name")
-                self.restarted = True
-            if manifest_path.exists() and not self.restarted:
-                self.manifest = self._read_manifest(manifest_path)
+            existing = existing_run(manifest_path, resume, redo)
+            # a run that completed no stage starts afresh (its unfinished work folders are reused only if they
+            # match the new config, see run_stage)
+            self.restarted = existing is None and manifest_path.exists()
+            if existing is not None:
+                self.manifest = existing
                 recorded, changes = resumable_config(manifest_path, self.manifest, config, upgrade, extend)
                 if changes:
                     # Recorded stages were computed by a config that agrees with this one on every
@@ -369,8 +382,6 @@ class RunDirectory:
                     self._forget_from(redo)
             else:
                 self.environment_changed = []
-                if redo is not None:
-                    raise RunError(f"--redo {redo}: {self.root} holds no run yet")
                 self.manifest = {"config": config, "seed": seed, "versions": package_versions(), "stages": []}
                 if environment is not None:
                     self.manifest["environment"] = environment
@@ -394,7 +405,7 @@ class RunDirectory:
             self.manifest.setdefault("resume_changes", []).append(
                 {"after_stage": (self.manifest["stages"] or [{"name": None}])[-1]["name"], "changes": changes})
             self._save()
-            self.resume_changes = [f"{field} {_short(old)} -> {_short(new)}" for field, (old, new) in changes.items()]
+            self.resume_changes = _change_lines(changes)
 
     def _acquire_lock(self):
         """An exclusive ``flock`` on ``RUN/.lock`` for as long as this object lives (the kernel drops
