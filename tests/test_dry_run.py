@@ -20,19 +20,35 @@ def evolve_configs() -> list[Path]:
 
 @pytest.fixture
 def nothing_loaded(monkeypatch, tmp_path):
-    """No model, tokenizer or environment may be touched; the working folder is an empty tmp_path."""
+    """No model, tokenizer or environment may be touched; the working folder is an empty tmp_path.
+
+    The refusing stand-in replaces each guarded function in its own module and wherever a loaded qevolve
+    module bound it by name. The modules a dry run imports lazily (the run-environment check reads the
+    generation backend) are imported first: imported while the patch is in force, they would keep the
+    stand-in after it is undone, and later tests would load nothing."""
+    import importlib
+    import sys
+
     import transformers
 
     import qevolve.environments.play as play
     import qevolve.models.loading as loading
 
+    for lazily_imported in ("qevolve.rollouts.agent", "qevolve.rollouts.run"):
+        importlib.import_module(lazily_imported)
+
     def refuse(*args, **kwargs):
         raise AssertionError("a dry run loaded a model or touched an environment")
 
-    for module, name in ((loading, "load_policy"), (loading, "check_checkpoint"), (play, "list_tasks"),
-                         (transformers.AutoModelForCausalLM, "from_pretrained"),
-                         (transformers.AutoTokenizer, "from_pretrained")):
-        monkeypatch.setattr(module, name, refuse)
+    guarded = {id(getattr(module, name)): name for module, name in
+               ((loading, "load_policy"), (loading, "check_checkpoint"), (play, "list_tasks"))}
+    for name, module in list(sys.modules.items()):
+        if name == "qevolve" or name.startswith("qevolve."):
+            for attr, value in list(vars(module).items()):
+                if id(value) in guarded:
+                    monkeypatch.setattr(module, attr, refuse)
+    for module in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        monkeypatch.setattr(module, "from_pretrained", refuse)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
